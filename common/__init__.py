@@ -1,0 +1,1 @@
+"""What every zeroserve process and the client share."""

@@ -1,0 +1,349 @@
+"""What a model directory says about the model: `config.json` + `generation_config.json`.
+
+`ModelConfig.from_dir(model_dir)` reads both files into one flat dataclass that the worker's
+model code, the scheduler (eos ids, max length) and the handshake (name) share. Every problem is
+a `ModelLoadError` whose message names the file and the key (or the architecture) at fault.
+
+Both config layouts in the wild are accepted:
+- transformers < 5: top-level `rope_theta` + `rope_scaling` (with `rope_type` or legacy `type`);
+- transformers >= 5: `rope_parameters` = {"rope_theta": ..., "rope_type": ..., <scaling keys>}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.errors import ModelLoadError
+
+# architecture name in config.json -> family our model code uses
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None = plain RoPE; else {"rope_type": "llama3", ...}
+    partial_rotary_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (always on for Qwen2)
+    o_proj_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias=true)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None  # set when the checkpoint asks for it; we attend to the full context
+    torch_dtype: str = "float32"
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    model_dir: str = ""
+    name: str = ""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def family(self) -> str:
+        """"llama" (Llama, Mistral), "qwen2" or "qwen3"."""
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if not self.rope_scaling else self.rope_scaling["rope_type"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def num_params(self) -> int:
+        """Parameter count of the full (unsharded) model."""
+        h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        if self.o_proj_bias:
+            per_layer += h
+        if self.qk_norm:
+            per_layer += 2 * d
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike, require_weights: bool = True) -> "ModelConfig":
+        """Parse `model_dir`/config.json (+ generation_config.json when present).
+
+        `require_weights=False` skips the check for *.safetensors files (random-init benchmarks
+        only need the shapes)."""
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"missing config.json in model directory {str(path)!r}")
+        hf = _read_json(cfg_path)
+        gen_path = path / "generation_config.json"
+        gen = _read_json(gen_path) if gen_path.is_file() else {}
+        cfg = cls.from_hf_dict(hf, gen, model_dir=str(path), source=str(cfg_path))
+        if require_weights and not any(path.glob("*.safetensors")):
+            raise ModelLoadError(
+                f"no *.safetensors weight files in model directory {str(path)!r} "
+                "(only safetensors checkpoints are supported; convert .bin/.pt files first)"
+            )
+        return cfg
+
+    @classmethod
+    def from_hf_dict(
+        cls,
+        hf: dict[str, Any],
+        generation: dict[str, Any] | None = None,
+        model_dir: str = "",
+        source: str = "config.json",
+    ) -> "ModelConfig":
+        """Build from an already-parsed config.json dict (and generation_config.json dict)."""
+        generation = generation or {}
+        if not isinstance(hf, dict):
+            raise ModelLoadError(f"{source}: expected a JSON object at top level")
+
+        archs = hf.get("architectures")
+        if not archs or not isinstance(archs, list):
+            raise ModelLoadError(
+                f"{source}: missing key 'architectures' (expected one of {sorted(SUPPORTED_ARCHITECTURES)})"
+            )
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+
+        def req(key: str, kind: type = int) -> Any:
+            if key not in hf or hf[key] is None:
+                raise ModelLoadError(f"{source}: missing key {key!r} (required for {arch})")
+            value = hf[key]
+            try:
+                if kind is int and (isinstance(value, bool) or int(value) != value):
+                    raise ValueError
+                return kind(value)
+            except (TypeError, ValueError):
+                raise ModelLoadError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}") from None
+
+        hidden = req("hidden_size")
+        num_layers = req("num_hidden_layers")
+        num_heads = req("num_attention_heads")
+        intermediate = req("intermediate_size")
+        vocab = req("vocab_size")
+        num_kv = hf.get("num_key_value_heads")
+        num_kv = num_heads if num_kv is None else int(num_kv)
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            if hidden % num_heads:
+                raise ModelLoadError(
+                    f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {num_heads} "
+                    "and no 'head_dim' is given"
+                )
+            head_dim = hidden // num_heads
+        head_dim = int(head_dim)
+        for key, value in (("hidden_size", hidden), ("num_hidden_layers", num_layers),
+                           ("num_attention_heads", num_heads), ("num_key_value_heads", num_kv),
+                           ("intermediate_size", intermediate), ("vocab_size", vocab), ("head_dim", head_dim)):
+            if value <= 0:
+                raise ModelLoadError(f"{source}: key {key!r} must be positive, got {value}")
+        if num_heads % num_kv:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}"
+            )
+        if head_dim % 2:
+            raise ModelLoadError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
+
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        if hf.get("mlp_bias"):
+            raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
+
+        rope_theta, rope_scaling, partial = _parse_rope(hf, source)
+
+        # projection biases, as transformers' modules define them per architecture
+        if family == "qwen2":
+            attention_bias, o_proj_bias = True, False  # Qwen2: q/k/v bias always, o_proj never
+        elif arch == "MistralForCausalLM":
+            attention_bias = o_proj_bias = False  # Mistral has no attention biases
+        else:  # Llama, Qwen3: `attention_bias` covers q, k, v and o
+            attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
+
+        # sliding-window attention is not implemented: report it so callers can cap the length
+        sliding_window = hf.get("sliding_window")
+        if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            sliding_window = None
+
+        eos = _merge_ids(hf.get("eos_token_id"), generation.get("eos_token_id"), source=source)
+        bos = generation.get("bos_token_id", hf.get("bos_token_id"))
+        pad = generation.get("pad_token_id", hf.get("pad_token_id"))
+        if isinstance(bos, list):
+            bos = bos[0] if bos else None
+        if isinstance(pad, list):
+            pad = pad[0] if pad else None
+
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        if not isinstance(dtype, str):
+            dtype = str(dtype).replace("torch.", "")
+
+        name = Path(model_dir).name if model_dir else hf.get("_name_or_path", "") or arch
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            intermediate_size=intermediate,
+            vocab_size=vocab,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            partial_rotary_factor=partial,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            qk_norm=family == "qwen3",
+            max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
+            torch_dtype=dtype,
+            eos_token_ids=eos,
+            bos_token_id=None if bos is None else int(bos),
+            pad_token_id=None if pad is None else int(pad),
+            model_dir=str(model_dir),
+            name=name,
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{str(path)!r} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {str(path)!r}: {e}") from None
+
+
+def _merge_ids(*values: Any, source: str = "config.json") -> list[int]:
+    out: list[int] = []
+    for v in values:
+        if v is None:
+            continue
+        items = v if isinstance(v, (list, tuple)) else [v]
+        for x in items:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise ModelLoadError(f"{source}: eos_token_id entries must be integers, got {x!r}")
+            if x not in out:
+                out.append(x)
+    return out
+
+
+def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float]:
+    """-> (rope_theta, rope_scaling or None, partial_rotary_factor)."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    theta = hf.get("rope_theta")
+    partial = hf.get("partial_rotary_factor")
+    if isinstance(params, dict) and params:
+        if "rope_type" not in params and "type" not in params and all(isinstance(v, dict) for v in params.values()):
+            raise ModelLoadError(f"{source}: per-layer-type rope_parameters are not supported")
+        if theta is None:
+            theta = params.get("rope_theta")
+        if partial is None:
+            partial = params.get("partial_rotary_factor")
+        if scaling is None:
+            scaling = params
+    theta = 10000.0 if theta is None else float(theta)
+    partial = 1.0 if partial is None else float(partial)
+    if not 0.0 < partial <= 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial}")
+    if scaling is None:
+        return theta, None, partial
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"{source}: rope_scaling must be an object or null, got {scaling!r}")
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return theta, None, partial
+    if rope_type != "llama3":
+        raise ModelLoadError(
+            f"{source}: unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    missing = [k for k in _LLAMA3_KEYS if scaling.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"{source}: llama3 rope scaling is missing key(s) {missing}")
+    out = {"rope_type": "llama3"}
+    for k in _LLAMA3_KEYS:
+        out[k] = float(scaling[k])
+    out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if out["high_freq_factor"] == out["low_freq_factor"]:
+        raise ModelLoadError(f"{source}: llama3 rope scaling needs high_freq_factor != low_freq_factor")
+    if not math.isfinite(out["factor"]) or out["factor"] <= 0:
+        raise ModelLoadError(f"{source}: llama3 rope scaling factor must be positive, got {out['factor']}")
+    return theta, out, partial
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype,
+    device: torch.device | str,
+    config: "ModelConfig | str | None" = None,
+) -> torch.dtype:
+    """Turn a user dtype name into a torch dtype.
+
+    "auto" = the checkpoint's `torch_dtype` (from `config`, a ModelConfig or the dtype string) on
+    accelerators, float32 when unknown, and always float32 on CPU (half precision matmuls on CPU
+    are slow and less accurate)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ModelLoadError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if not isinstance(dtype, str):
+        raise ModelLoadError(f"dtype must be a string, got {dtype!r}")
+    name = dtype.strip().lower().replace("torch.", "")
+    if name == "auto":
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        cfg_dtype = config.torch_dtype if isinstance(config, ModelConfig) else config
+        cfg_dtype = (cfg_dtype or "float32").lower().replace("torch.", "")
+        return _DTYPE_NAMES.get(cfg_dtype, torch.float32)
+    if name not in _DTYPE_NAMES:
+        raise ModelLoadError(
+            f"unsupported dtype {dtype!r}; use 'auto', 'float32' (float, fp32), 'bfloat16' (bf16) "
+            "or 'float16' (half, fp16)"
+        )
+    return _DTYPE_NAMES[name]

@@ -1,0 +1,184 @@
+"""The `zeroserve` command: one entry point for every process and the user tools."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEFAULT_PORT = 7000
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default=os.environ.get("ZEROSERVE_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget on CPU (default 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this worker")
+
+
+def _scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-queue-len", type=int, default=4096)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--step-timeout", type=float, default=120.0)
+    p.add_argument("--client-timeout", type=float, default=10.0)
+
+
+def _env_default(name: str, default):
+    v = os.environ.get(name)
+    return v if v not in (None, "") else default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="zeroserve", description="An LLM serving engine built as a ZeroMQ cluster.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start a local cluster: scheduler, detokenizer and workers")
+    up.add_argument("--model", default=None, help="HF model directory (default: the built-in tiny model)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT)
+    up.add_argument("--workers", type=int, default=1, help="worker groups to start")
+    up.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per worker group")
+    up.add_argument("--demo", nargs="?", const="The cluster says", default=None, metavar="PROMPT",
+                    help="send one request once ready, print the answer and stop")
+    _engine_flags(up)
+    _scheduler_flags(up)
+
+    sc = sub.add_parser("scheduler", help="run the scheduler process")
+    sc.add_argument("--host", default=_env_default("ZEROSERVE_HOST", "127.0.0.1"))
+    sc.add_argument("--port", type=int, default=int(_env_default("ZEROSERVE_PORT", DEFAULT_PORT)))
+    sc.add_argument("--model", action="append", default=None,
+                    help="model directory whose requests we serve (repeatable; default: the built-in model)")
+    sc.add_argument("--max-model-len", type=int, default=None)
+    _scheduler_flags(sc)
+
+    wk = sub.add_parser("worker", help="run one worker shard")
+    wk.add_argument("--scheduler", default=_env_default("ZEROSERVE_SCHEDULER", f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"),
+                    help="the scheduler's backend address (its port + 1)")
+    wk.add_argument("--model", default=_env_default("ZEROSERVE_MODEL", None))
+    wk.add_argument("--group", default=_env_default("ZEROSERVE_GROUP", None),
+                    help="worker group name (shards of one tensor-parallel group share it)")
+    wk.add_argument("--tp-size", type=int, default=int(_env_default("ZEROSERVE_TP_SIZE", 1)))
+    wk.add_argument("--tp-rank", type=int, default=int(_env_default("ZEROSERVE_TP_RANK", 0)))
+    wk.add_argument("--worker-id", default=None)
+    wk.add_argument("--dist-init-addr", default=None, help="torch.distributed address (rank 0 picks one if omitted)")
+    wk.add_argument("--advertise-host", default=None, help="address other shards reach this one at")
+    _engine_flags(wk)
+
+    dt = sub.add_parser("detokenizer", help="run the detokenizer process")
+    dt.add_argument("--scheduler", default=_env_default("ZEROSERVE_SCHEDULER", f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"))
+    dt.add_argument("--model", action="append", default=None)
+    dt.add_argument("--worker-id", default=None)
+
+    st = sub.add_parser("status", help="show the cluster: workers, KV use, queue, tokens/s")
+    st.add_argument("--address", default=f"tcp://127.0.0.1:{DEFAULT_PORT}")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--timeout", type=float, default=5.0)
+
+    gen = sub.add_parser("generate", help="send one request to a running cluster")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=f"tcp://127.0.0.1:{DEFAULT_PORT}")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stream", action="store_true")
+    gen.add_argument("--timeout", type=float, default=30.0)
+
+    tm = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")
+    from services.tiny_model import add_cli_args
+
+    add_cli_args(tm)
+    return ap
+
+
+def _status(args) -> int:
+    from zeroserve import Client
+    from common.errors import ZeroserveError
+
+    try:
+        with Client(args.address, timeout_s=args.timeout) as c:
+            s = c.stats()
+    except ZeroserveError as e:
+        print(f"zeroserve status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(s, indent=2, default=str))
+        return 0
+    a = s.get("addresses", {})
+    print(f"scheduler {s.get('scheduler_id')}  up {s.get('uptime_s', 0):.0f}s  client {a.get('client')}  "
+          f"backend {a.get('backend')}")
+    det = s.get("detokenizer", {})
+    print(f"detokenizer: {'connected ' + str(det.get('worker_id')) if det.get('connected') else 'NOT connected'}")
+    print(f"requests live {s.get('requests')}  unrouted queue {s.get('queue')}  tokens/s {s.get('tokens_per_s')}")
+    for g in s.get("groups", []):
+        print(f"group {g['name']} [{g['state']}] model {g['model']} tp {g['tp_size']}  running {g.get('running', 0)}  "
+              f"waiting {g.get('waiting', 0)}  kv {g.get('kv_blocks_used', 0)}/{g.get('kv_blocks_total', 0)} blocks")
+        for w in g.get("workers", []):
+            print(f"  worker {w['worker_id']} rank {w['rank']} pid {w['pid']} host {w['host']} device {w['device']} "
+                  f"steps {w.get('w_steps', 0)} step_ms {w.get('w_step_ms', 0)}")
+    return 0
+
+
+def _generate(args) -> int:
+    from zeroserve import Client, SamplingParams
+    from common.errors import ZeroserveError
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        with Client(args.address, request_timeout_s=args.timeout) as c:
+            if args.stream:
+                for d in c.stream(args.prompt, params):
+                    print(d.text, end="", flush=True)
+                print()
+            else:
+                out = c.generate(args.prompt, params)
+                o = out.outputs[0]
+                print(o.text)
+                print(f"[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}]", file=sys.stderr)
+    except ZeroserveError as e:
+        print(f"zeroserve generate: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "up":
+        from services.launcher import main as up_main
+
+        return up_main(args)
+    if args.cmd == "scheduler":
+        from services.engine import default_model_dir
+        from services.scheduler.service import main as sched_main
+
+        args.model = args.model or [str(default_model_dir())]
+        return sched_main(args)
+    if args.cmd == "worker":
+        from services.worker.service import main as worker_main
+
+        return worker_main(args)
+    if args.cmd == "detokenizer":
+        from services.detokenizer.service import main as detok_main
+
+        return detok_main(args)
+    if args.cmd == "status":
+        return _status(args)
+    if args.cmd == "generate":
+        return _generate(args)
+    if args.cmd == "make-tiny-model":
+        from services.tiny_model import run_cli
+
+        return run_cli(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

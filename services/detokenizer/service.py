@@ -1,0 +1,166 @@
+"""The detokenizer process: token ids in, UTF-8-safe text deltas and stop-string hits out.
+
+It holds one IncrementalDetokenizer per live sequence and answers each `DetokTokens` batch
+with one `DetokOutputs`. It keeps no state the scheduler cannot rebuild: after a restart the
+scheduler replays every live sequence (`DetokNew` with the tokens already delivered, fed here
+without emitting text), so streams continue without loss or repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import zmq
+
+from common import protocol as P
+from common.detokenize import IncrementalDetokenizer
+from common.errors import InvalidRequest
+from common.log import get_logger, setup_logging
+from common.model_config import ModelConfig
+from common.sampling_params import SamplingParams
+from common.tokenizer import load_tokenizer
+from common.transport import make_socket
+
+log = get_logger("detokenizer")
+
+
+class DetokenizerService:
+    def __init__(self, scheduler_addr: str, model_dirs: list[str], worker_id: str | None = None,
+                 heartbeat_interval_s: float = 1.0) -> None:
+        self.scheduler_addr = scheduler_addr
+        self.worker_id = worker_id or f"detok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.tokenizers = {}
+        for d in model_dirs:
+            self.tokenizers[ModelConfig.from_dir(d).name] = load_tokenizer(d)
+        self.default = next(iter(self.tokenizers), None)
+        self.hb_interval = heartbeat_interval_s
+        self.states: dict[str, IncrementalDetokenizer] = {}
+        self.stop = threading.Event()
+
+    def _tokenizer(self, params: SamplingParams):
+        name = params.model or self.default
+        tok = self.tokenizers.get(name)
+        if tok is None:
+            raise InvalidRequest(f"the detokenizer has no tokenizer for model {name!r}; start it with --model")
+        return tok
+
+    def run(self) -> int:
+        ctx = zmq.Context()
+        sock = make_socket(ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id)
+        try:
+            self._hello(sock)
+            last_hb = 0.0
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if now - last_hb >= self.hb_interval:
+                    last_hb = now
+                    sock.send_multipart(P.encode(P.Heartbeat(worker_id=self.worker_id,
+                                                             stats={"live": len(self.states)})), zmq.NOBLOCK)
+                if not sock.poll(int(self.hb_interval * 1000)):
+                    continue
+                for _ in range(1000):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        msg = P.decode(frames)
+                    except P.ProtocolError as e:
+                        log.warning("bad message dropped", reason=e.reason)
+                        continue
+                    reply = self.handle(msg)
+                    if isinstance(reply, P.Welcome):  # the scheduler restarted: start over
+                        self.states.clear()
+                        self._hello(sock)
+                    elif reply is not None:
+                        sock.send_multipart(P.encode(reply))
+        finally:
+            try:
+                sock.send_multipart(P.encode(P.Goodbye(worker_id=self.worker_id, reason="stopping")), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            sock.close(linger=0)
+            ctx.term()
+        return 0
+
+    def _hello(self, sock: zmq.Socket) -> None:
+        while not self.stop.is_set():
+            sock.send_multipart(P.encode(P.Hello(role="detokenizer", worker_id=self.worker_id, host=socket.gethostname(),
+                                                 pid=os.getpid(), model=self.default or "")))
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not self.stop.is_set():
+                if not sock.poll(200):
+                    continue
+                try:
+                    msg = P.decode(sock.recv_multipart())
+                except P.ProtocolError:
+                    continue
+                if isinstance(msg, P.Welcome):
+                    if msg.accepted:
+                        log.info("connected", scheduler=msg.scheduler_id)
+                        return
+                    log.warning("refused by the scheduler", reason=msg.reason)
+                    time.sleep(1.0)
+                    break
+                if isinstance(msg, P.DetokNew):  # replay may race the welcome
+                    self.handle(msg)
+
+    def handle(self, msg):
+        """Apply one message; returns the reply to send (or a refusal meaning 'say hello again')."""
+        if isinstance(msg, P.DetokNew):
+            for item in msg.items:
+                try:
+                    params = SamplingParams.from_dict(item.params)
+                    det = IncrementalDetokenizer(self._tokenizer(params), item.prompt_token_ids.tolist(), params)
+                except InvalidRequest as e:
+                    log.warning("cannot detokenize request", req=item.req_id, reason=str(e))
+                    continue
+                if len(item.output_token_ids):
+                    det.add_tokens(item.output_token_ids.tolist())  # replay: text already delivered
+                    if len(det.text) != item.text_offset:
+                        log.warning("replayed text length differs", req=item.req_id, have=len(det.text),
+                                    expected=item.text_offset)
+                self.states[item.req_id] = det
+            return None
+        if isinstance(msg, P.DetokTokens):
+            ids, texts, stops = [], [], []
+            for rid, toks, reason in zip(msg.req_ids, msg.per_request(), msg.finish_reasons):
+                det = self.states.get(rid)
+                if det is None:
+                    continue
+                delta = det.add_tokens(toks.tolist()) if len(toks) else None
+                text = delta.text_delta if delta else ""
+                stop = delta.stop_str if delta else None
+                if stop is None and reason is not None:
+                    text += det.finish()
+                if stop is not None or reason is not None:
+                    del self.states[rid]
+                ids.append(rid)
+                texts.append(text)
+                stops.append(stop)
+            return P.DetokOutputs(seq=msg.seq, req_ids=ids, text_deltas=texts, stop_strs=stops)
+        if isinstance(msg, P.DetokFree):
+            for rid in msg.req_ids:
+                self.states.pop(rid, None)
+            return None
+        if isinstance(msg, P.Welcome) and not msg.accepted:
+            return msg
+        if isinstance(msg, P.Error):
+            log.warning("scheduler reported an error", code=msg.code, message=msg.message)
+        return None
+
+
+def main(args) -> int:
+    setup_logging(service="detokenizer")
+    from services.engine import default_model_dir
+
+    models = args.model or [str(default_model_dir())]
+    svc = DetokenizerService(args.scheduler, models, worker_id=args.worker_id)
+    signal.signal(signal.SIGTERM, lambda *_: svc.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: svc.stop.set())
+    return svc.run()

@@ -1,0 +1,212 @@
+"""LLMEngine: the scheduling policy and a model runner in one process.
+
+Used by `zeroserve.LLM` (offline batch generation), by tests and by the overhead benchmark as
+the in-process baseline. The cluster runs the same policy in the scheduler process and the
+same runner in worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import EngineArgs
+from common.detokenize import IncrementalDetokenizer
+from common.errors import InvalidRequest
+from common.log import get_logger
+from common.model_config import ModelConfig
+from common.outputs import CompletionOutput, Logprob, RequestOutput
+from common.sampling_params import SamplingParams
+from common.tokenizer import load_tokenizer
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.policy import Scheduler, TokenEvent
+from services.scheduler.request import Request
+from services.worker.model_runner import ModelRunner
+
+log = get_logger(__name__)
+
+
+def default_model_dir() -> Path:
+    """The built-in tiny model (random weights), created on first use and cached."""
+    root = Path(os.environ.get("ZEROSERVE_CACHE", Path.home() / ".cache" / "zeroserve"))
+    path = root / "default-model"
+    if not (path / "config.json").exists():
+        from services.tiny_model import make_tiny_model
+
+        log.info("creating the built-in default model (random weights: its output is random text)", path=str(path))
+        tmp = root / f".default-model.{os.getpid()}"
+        make_tiny_model(tmp, arch="llama", size="default", seed=0)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a request: a fixed mix, so n > 1 samples differ but repeat."""
+    if index == 0:
+        return seed
+    x = (seed ^ (index * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def validate_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """Accept a string, a list of token ids or {"prompt_token_ids": [...]}; return (text, ids)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            return validate_prompt(prompt["prompt"], tokenizer, vocab_size)
+        else:
+            raise InvalidRequest("a dict prompt needs 'prompt_token_ids' (a list of token ids) or 'prompt' (text)")
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("the prompt is empty; send some text or token ids")
+        return prompt, tokenizer.encode(prompt)
+    else:
+        ids = prompt
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise InvalidRequest("prompt token ids must be a non-empty list of integers")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size}) for this model")
+    return None, list(ids)
+
+
+@dataclass
+class _Tracked:
+    """What the engine assembles for one client request (n sequences)."""
+
+    output: RequestOutput
+    params: SamplingParams
+    detoks: list[IncrementalDetokenizer]
+    remaining: int
+    logprobs: list[list] = field(default_factory=list)
+
+
+def make_logprobs_entry(row_ids, row_lps, rank, k: int, decode) -> dict[int, Logprob]:
+    """The chosen token plus the top-k, as vLLM reports them."""
+    entry = {int(row_ids[0]): Logprob(float(row_lps[0]), int(rank), decode(int(row_ids[0])))}
+    for j in range(1, k + 1):
+        tid = int(row_ids[j])
+        if tid not in entry:
+            entry[tid] = Logprob(float(row_lps[j]), j, decode(tid))
+    return entry
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        model_dir = Path(args.model) if args.model else default_model_dir()
+        self.model_cfg = ModelConfig.from_dir(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        max_len = args.max_model_len or self.model_cfg.max_position_embeddings
+        if max_len > self.model_cfg.max_position_embeddings:
+            raise InvalidRequest(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                f"({self.model_cfg.max_position_embeddings})")
+        self.runner = ModelRunner(args, self.model_cfg)
+        self.block_manager = BlockManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
+                                   max_len, self.model_cfg.eos_token_ids)
+        self.rng = random.Random(args.seed)
+        self.tracked: dict[str, _Tracked] = {}
+        self._next_id = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = validate_prompt(prompt, self.tokenizer, self.model_cfg.vocab_size)
+        self.scheduler.check_prompt(len(ids))
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self.tracked:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        reqs = [Request(f"{request_id}#{i}", ids, params, child_seed(seed, i), self.max_model_len,
+                        client_id=request_id, index=i) for i in range(params.n)]
+        for r in reqs:
+            r.siblings = reqs if params.n > 1 else None
+            self.scheduler.add_request(r)
+        out = RequestOutput(request_id, text, list(ids),
+                            [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
+                             for i in range(params.n)])
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in range(params.n)]
+        self.tracked[request_id] = _Tracked(out, params, detoks, params.n)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        tr = self.tracked.pop(request_id, None)
+        if tr is None:
+            return
+        for i in range(tr.params.n):
+            self.scheduler.finish_request(f"{request_id}#{i}", "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the client requests that finished in it."""
+        so = self.scheduler.schedule()
+        if so.empty:
+            if so.finished_req_ids:
+                self.runner.apply_state(so)
+            return []
+        ro = self.runner.execute(so)
+        lp = None
+        if ro.logprobs is not None:
+            lp = list(zip(ro.logprob_token_ids, ro.logprobs, ro.ranks))
+        events = self.scheduler.update(so, ro.req_ids, ro.sampled_token_ids.tolist(), lp)
+        return self._process(events)
+
+    def _process(self, events: list[TokenEvent]) -> list[RequestOutput]:
+        done = []
+        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        for ev in events:
+            req = ev.req
+            tr = self.tracked.get(req.client_id)
+            if tr is None:
+                continue
+            comp = tr.output.outputs[req.index]
+            comp.token_ids.append(ev.token_id)
+            if comp.logprobs is not None and ev.logprobs is not None:
+                ids, lps, rank = ev.logprobs
+                comp.logprobs.append(make_logprobs_entry(ids, lps, rank, tr.params.logprobs, decode))
+            delta = tr.detoks[req.index].add_tokens([ev.token_id])
+            finished = ev.finished
+            if delta.stop_str is not None and not finished:
+                self.scheduler.finish_request(req.req_id, "stop", delta.stop_str)
+                finished = True
+            elif delta.stop_str is not None:
+                req.finish_reason, req.stop_reason = "stop", delta.stop_str
+            if finished:
+                if delta.stop_str is None:
+                    tr.detoks[req.index].finish()
+                comp.text = tr.detoks[req.index].text
+                comp.finish_reason = req.finish_reason
+                comp.stop_reason = req.stop_reason
+                tr.output.num_cached_tokens = max(tr.output.num_cached_tokens, req.num_cached_tokens)
+                tr.remaining -= 1
+                if tr.remaining == 0:
+                    tr.output.finished = True
+                    done.append(tr.output)
+                    del self.tracked[req.client_id]
+        return done
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        s["num_steps"] = self.runner.num_steps
+        return s

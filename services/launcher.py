@@ -1,0 +1,196 @@
+"""`zeroserve up`: a local cluster as supervised child processes.
+
+Starts the scheduler, the detokenizer and N worker groups (T shards each), prints one line per
+service and a final ready line, restarts a child that crashes (with backoff), and stops
+everything on Ctrl-C / SIGTERM. Children get PR_SET_PDEATHSIG, so even a SIGKILLed launcher
+leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.log import get_logger, setup_logging
+
+log = get_logger("up")
+
+PR_SET_PDEATHSIG = 1
+READY_TIMEOUT_S = 600.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    os.setpgrp()  # Ctrl-C reaches the launcher only; it stops the children in order
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started: float = 0.0
+    next_start: float = 0.0
+
+    def start(self) -> None:
+        env = dict(os.environ, **self.env)
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        self.started = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def plan_children(args, model: str) -> list[Child]:
+    """The processes of a local cluster (shared with tests that start one)."""
+    base = [sys.executable, "-m", "services.cli"]
+    sched_addr = f"tcp://{args.host}:{args.port + 1}"
+    sched = base + ["scheduler", "--host", args.host, "--port", str(args.port), "--model", model,
+                    "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                    "--max-queue-len", str(args.max_queue_len), "--heartbeat-timeout", str(args.heartbeat_timeout),
+                    "--step-timeout", str(args.step_timeout), "--client-timeout", str(args.client_timeout)]
+    if args.no_prefix_caching:
+        sched.append("--no-prefix-caching")
+    if args.max_model_len:
+        sched += ["--max-model-len", str(args.max_model_len)]
+    children = [Child("scheduler", sched), Child("detokenizer", base + ["detokenizer", "--scheduler", sched_addr,
+                                                                       "--model", model])]
+    n_shards = args.workers * args.tp
+    threads = args.threads or max(1, (os.cpu_count() or 1) // n_shards)
+    for g in range(args.workers):
+        for r in range(args.tp):
+            argv = base + ["worker", "--scheduler", sched_addr, "--model", model, "--group", f"g{g}",
+                           "--tp-size", str(args.tp), "--tp-rank", str(r), "--worker-id", f"g{g}-r{r}",
+                           "--dtype", args.dtype, "--device", args.device, "--attention-backend", args.attention_backend,
+                           "--block-size", str(args.block_size), "--threads", str(threads),
+                           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            for flag, val in (("--num-kv-blocks", args.num_kv_blocks),
+                              ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+                              ("--max-model-len", args.max_model_len)):
+                if val:
+                    argv += [flag, str(val)]
+            name = f"worker g{g}" + (f" rank {r}" if args.tp > 1 else "")
+            children.append(Child(name, argv))
+    return children
+
+
+def stop_children(children: list[Child]) -> None:
+    """Workers first (they drain), then the detokenizer and scheduler; SIGKILL stragglers."""
+    workers = [c for c in children if c.name.startswith("worker")]
+    others = [c for c in children if not c.name.startswith("worker")]
+    for batch, grace in ((workers, 8.0), (others, 5.0)):
+        for c in batch:
+            if c.alive():
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in batch:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(timeout=5)
+
+
+def wait_ready(address: str, groups: int, children: list[Child], timeout_s: float = READY_TIMEOUT_S) -> dict:
+    from common.errors import ZeroserveError
+    from zeroserve import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(address, timeout_s=2.0) as c:
+        while time.monotonic() < deadline:
+            for ch in children:
+                if ch.name == "scheduler" and ch.proc is not None and ch.proc.poll() is not None:
+                    raise RuntimeError(f"the scheduler exited with code {ch.proc.returncode} during start-up")
+            try:
+                s = c.stats()
+                ready = sum(1 for g in s.get("groups", []) if g["state"] == "ready")
+                if ready >= groups and s.get("detokenizer", {}).get("connected"):
+                    return s
+            except ZeroserveError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f}s")
+
+
+def _demo(address: str, prompt: str) -> None:
+    from zeroserve import Client, SamplingParams
+
+    with Client(address) as c:
+        out = c.generate(prompt, SamplingParams(max_tokens=32, temperature=0.8, seed=0))
+    o = out.outputs[0]
+    print(f"\nprompt: {prompt!r}\nanswer: {o.text!r}\n[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}; "
+          "the built-in model has random weights, so its text is random]\n", flush=True)
+
+
+def main(args) -> int:
+    setup_logging(service="up")
+    if args.model:
+        model = str(Path(args.model).resolve())
+    else:
+        from services.engine import default_model_dir
+
+        model = str(default_model_dir())
+        print("model: the built-in tiny model (random weights: its output is random text)", flush=True)
+    children = plan_children(args, model)
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    client_addr = f"tcp://{args.host}:{args.port}"
+    try:
+        for c in children:
+            c.start()
+        print(f"scheduler    pid {children[0].proc.pid}  clients {client_addr}  backend tcp://{args.host}:{args.port + 1}"
+              f"  steps tcp://{args.host}:{args.port + 2}  events tcp://{args.host}:{args.port + 3}", flush=True)
+        print(f"detokenizer  pid {children[1].proc.pid}  -> tcp://{args.host}:{args.port + 1}", flush=True)
+        for c in children[2:]:
+            print(f"{c.name:<12} pid {c.proc.pid}  model {model}  device {args.device}", flush=True)
+        try:
+            wait_ready(client_addr, args.workers, children)
+        except (TimeoutError, RuntimeError) as e:
+            print(f"zeroserve up: {e}", file=sys.stderr, flush=True)
+            return 1
+        print(f"ready: {args.workers} worker group(s) x {args.tp} shard(s) serving {Path(model).name} at {client_addr}"
+              f"  (try: zeroserve generate \"hello\" --address {client_addr})", flush=True)
+        if args.demo is not None:
+            _demo(client_addr, args.demo)
+            return 0
+        while not stopping:
+            time.sleep(0.2)
+            now = time.monotonic()
+            for c in children:
+                if c.proc is not None and c.proc.poll() is not None and not stopping:
+                    if c.next_start == 0.0:
+                        backoff = min(10.0, 0.5 * 2 ** min(c.restarts, 5))
+                        if now - c.started > 60:
+                            c.restarts = 0
+                            backoff = 0.5
+                        log.warning("child exited; restarting", child=c.name, code=c.proc.returncode, in_s=backoff)
+                        c.next_start = now + backoff
+                    elif now >= c.next_start:
+                        c.restarts += 1
+                        c.next_start = 0.0
+                        c.start()
+                        print(f"{c.name:<12} restarted, pid {c.proc.pid}", flush=True)
+        return 0
+    finally:
+        print("stopping the cluster...", flush=True)
+        stop_children(children)
+        print("stopped.", flush=True)

@@ -1,0 +1,251 @@
+"""Continuous batching for one worker group, free of any transport.
+
+Each step spends a token budget: running requests first (decodes, then the next chunk of a
+long prefill), then waiting requests in priority/FCFS order. When blocks run out, the most
+recently admitted running request is preempted and later recomputed from its tokens (its
+full blocks usually come back from the prefix cache). The same class runs inside the
+in-process engine and inside the cluster scheduler.
+
+Blocks are registered in the prefix cache when they are scheduled, so a request admitted
+later in the same step may already reuse them: this is safe because the model writes every
+token's K/V of a layer before that layer attends.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from common.errors import InvalidRequest
+from common.step import CachedRequestData, NewRequestData, SchedulerOutput
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request, Status
+
+
+@dataclass
+class TokenEvent:
+    """One generated token accepted for a request (what the engine reports upward)."""
+
+    req: Request
+    token_id: int
+    logprobs: tuple | None  # (token_ids row, logprobs row, rank) for this token, or None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: list[int]) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # a sequence may never need more blocks than the whole cache holds
+        self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._dropped: list[str] = []  # worker-side state to drop at the next step
+        self.num_preemptions = 0
+        self.num_computed_tokens_total = 0  # tokens actually run through the model
+
+    # ---- admission --------------------------------------------------------------------------
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {num_prompt_tokens} tokens but this model serves at most "
+                f"{self.max_model_len} tokens in total (max_model_len, capped by the KV cache); "
+                "shorten the prompt so at least one token can be generated")
+
+    def add_request(self, req: Request) -> None:
+        self.check_prompt(req.num_prompt_tokens)
+        if req.req_id in self.requests:
+            raise InvalidRequest(f"request id {req.req_id!r} is already in use")
+        req.max_len = min(req.max_len, self.max_model_len)
+        self.requests[req.req_id] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [r.sort_key() for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, req.sort_key()), req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._dropped)
+        self._dropped = []
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        # 1. running requests: decodes and continuing prefills
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # waiting on a token the worker has not returned yet
+                i += 1
+                continue
+            while not self.bm.can_allocate(req, num_new):
+                victim = self.running.pop()  # the latest admitted gives way
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break
+            new_blocks = self.bm.allocate(req, num_new)
+            out.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+            self._commit(req, num_new, out)
+            budget -= num_new
+            i += 1
+
+        # 2. waiting requests, in order, while budget, seats and blocks last
+        if not preempted:
+            j = 0
+            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[j]
+                if req.num_computed_tokens == 0 and not req.block_ids:
+                    wait_for_sibling = self._share_from_sibling(req)
+                    if wait_for_sibling:
+                        j += 1
+                        continue
+                    if not req.block_ids:
+                        cached = self.bm.lookup(req.token_ids)
+                        if cached:
+                            self.bm.take_cached(req, cached)
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.bm.can_allocate(req, num_new):
+                    self.bm.release(req)  # give back cache hits; retried next step
+                    req.num_computed_tokens = 0
+                    req.num_cached_tokens = 0
+                    break
+                self.waiting.pop(j)
+                self.bm.allocate(req, num_new)
+                req.status = Status.RUNNING
+                self.running.append(req)
+                out.new_reqs.append(NewRequestData(
+                    req.req_id, list(req.token_ids), req.num_prompt_tokens, req.params, req.seed,
+                    list(req.block_ids), req.num_computed_tokens))
+                self._commit(req, num_new, out)
+                budget -= num_new
+        return out
+
+    def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.num_scheduled_tokens[req.req_id] = num_new
+        req.num_computed_tokens += num_new
+        self.num_computed_tokens_total += num_new
+        self.bm.commit_full_blocks(req, req.num_computed_tokens)
+
+    def _share_from_sibling(self, req: Request) -> bool:
+        """n > 1: later samples reuse sample 0's prompt blocks. True = not ready yet, wait."""
+        if req.index == 0 or not req.siblings:
+            return False
+        first = req.siblings[0]
+        if first.status == Status.WAITING or first.status == Status.PREEMPTED:
+            return True
+        if first.status == Status.RUNNING:
+            if first.num_computed_tokens < req.num_prompt_tokens:
+                return True
+            # share the full blocks strictly before the last prompt token, which this sample
+            # computes itself (into a block of its own) to get its own first token
+            n_full = (req.num_prompt_tokens - 1) // self.bm.block_size
+            if n_full:
+                self.bm.share(req, first.block_ids[:n_full], n_full * self.bm.block_size)
+                req.num_cached_tokens = req.num_computed_tokens
+        return False
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.bm.release(req)
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        self.num_preemptions += 1
+        # the worker may hold this request from an earlier step (or this one)
+        out.num_scheduled_tokens.pop(req.req_id, None)
+        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != req.req_id]
+        out.new_reqs = [n for n in out.new_reqs if n.req_id != req.req_id]
+        out.finished_req_ids.append(req.req_id)
+        self._enqueue(req)
+
+    # ---- results ----------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, req_ids: list[str], sampled: list[int],
+               logprobs: list | None = None) -> list[TokenEvent]:
+        """Accept the worker's sampled tokens (-1 = no sample for that request this step)."""
+        events: list[TokenEvent] = []
+        for k, (rid, tok) in enumerate(zip(req_ids, sampled)):
+            if tok < 0:
+                continue
+            req = self.requests.get(rid)
+            if req is None or req.status != Status.RUNNING:
+                continue  # finished or preempted meanwhile: the token is discarded
+            req.token_ids.append(tok)
+            finished = self._check_stop(req, tok)
+            events.append(TokenEvent(req, tok, logprobs[k] if logprobs is not None else None, finished))
+            if finished:
+                self._finish(req)
+        return events
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                req.finish_reason, req.stop_reason = "stop", None
+                return True
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", tok
+                return True
+        if req.num_tokens >= req.max_len:
+            req.finish_reason = "length"
+            return True
+        return False
+
+    def finish_request(self, req_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
+        """End a request from outside (abort, stop string)."""
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return None
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self._finish(req)
+        return req
+
+    def _finish(self, req: Request) -> None:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self._dropped.append(req.req_id)
+        elif req in self.waiting:  # a preempted one was already dropped on the worker
+            self.waiting.remove(req)
+        self.bm.release(req)
+        req.status = Status.FINISHED
+        del self.requests[req.req_id]
+
+    def drain_all(self) -> list[Request]:
+        """Take every unfinished request out (their group died); they keep their tokens."""
+        reqs = list(self.running) + list(self.waiting)
+        for req in reqs:
+            req.block_ids = []
+            req.block_hashes = []
+            req.num_computed_tokens = 0
+            req.num_cached_tokens = 0
+            req.status = Status.WAITING
+        self.running.clear()
+        self.waiting.clear()
+        self.requests.clear()
+        self._dropped = []
+        self.bm.reset()
+        return reqs
+
+    def stats(self) -> dict:
+        return {
+            "waiting": len(self.waiting), "running": len(self.running),
+            "kv_blocks_total": self.bm.num_blocks, "kv_blocks_used": self.bm.num_used_blocks,
+            "kv_blocks_free": self.bm.num_free_blocks,
+            "prefix_cache_hit_tokens": self.bm.hits, "prefix_cache_query_tokens": self.bm.queries,
+            "num_preemptions": self.num_preemptions, "computed_tokens": self.num_computed_tokens_total,
+        }

@@ -1,0 +1,253 @@
+"""Building blocks of the decoder: tensor-parallel linears, vocab-parallel embedding / LM head,
+RMSNorm and rotary embedding. Numerics go through the `ops` namespace (kernels.get_ops) so the
+same module runs the torch twins on CPU and the Triton kernels on GPU.
+
+Tensor parallelism (Megatron style): column-parallel layers hold a slice of the output rows and
+need no communication; row-parallel layers hold a slice of the input columns and all-reduce
+their partial sums; the embedding and LM head split the (padded) vocabulary into equal shards.
+Parameters are created empty (or random) on the target device; the loader fills each one with
+exactly this shard's slice of the checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from common.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup (None = default group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, c] on each rank -> [N, size*c] ordered by rank."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def divide(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ModelLoadError(f"{what} ({n}) is not divisible by tensor_parallel_size ({tp})")
+    return n // tp
+
+
+def _param(shape: tuple[int, ...], device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """One piece of a parameter: `hf_name[src_slice along src_dim]` -> `param[dst_start:... along dim 0]`.
+
+    `full_shape` is the shape the checkpoint tensor must have (checked before reading)."""
+
+    hf_name: str
+    full_shape: tuple[int, ...]
+    src_dim: int = 0
+    src_start: int = 0
+    src_len: int | None = None  # None = the whole dim
+    dst_start: int = 0  # offset along the param's dim `src_dim` where this piece goes
+
+
+# --------------------------------------------------------------------------- linears
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W_shard^T (+ b_shard); W_shard holds this rank's slice of each merged output part.
+
+    `part_sizes` are the full output sizes of the parts merged into one matmul (e.g. q, k, v or
+    gate, up); each part is split evenly across ranks and the shard concatenates its slices."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], tp: TPInfo, bias: bool, device, dtype,
+                 part_names: list[str] | None = None):
+        super().__init__()
+        names = part_names or [f"part{i}" for i in range(len(part_sizes))]
+        self.tp = tp
+        self.in_features = in_features
+        self.full_part_sizes = list(part_sizes)
+        self.shard_part_sizes = [divide(p, tp.size, f"output size of {n}") for p, n in zip(part_sizes, names)]
+        out = sum(self.shard_part_sizes)
+        self.weight = _param((out, in_features), device, dtype)
+        self.bias = _param((out,), device, dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def sources(self, hf_names: list[str], what: str = "weight") -> list[WeightSource]:
+        """Checkpoint pieces for `weight` or `bias`, one per merged part (HF names given per part)."""
+        out, dst = [], 0
+        for name, full, shard in zip(hf_names, self.full_part_sizes, self.shard_part_sizes):
+            shape = (full, self.in_features) if what == "weight" else (full,)
+            out.append(WeightSource(name, shape, 0, self.tp.rank * shard, shard, dst))
+            dst += shard
+        return out
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W[:, shard]^T): input features split across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPInfo, device, dtype, what: str = "input size",
+                 bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.full_in = in_features
+        self.out_features = out_features
+        self.shard_in = divide(in_features, tp.size, what)
+        self.weight = _param((out_features, self.shard_in), device, dtype)
+        self.bias = _param((out_features,), device, dtype) if bias else None  # added once, after the sum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def sources(self, hf_name: str) -> list[WeightSource]:
+        return [WeightSource(hf_name, (self.out_features, self.full_in), 1,
+                             self.tp.rank * self.shard_in, self.shard_in, 0)]
+
+    def bias_sources(self, hf_name: str) -> list[WeightSource]:
+        return [WeightSource(hf_name, (self.out_features,))]
+
+
+# --------------------------------------------------------------------------- vocab
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows are split across ranks; the vocab is padded up to a multiple of
+    tp_size (padding rows are zero and never looked up / cut from the logits)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo, device, dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.hidden = hidden
+        padded = -(-vocab_size // tp.size) * tp.size
+        self.shard_size = padded // tp.size
+        self.start = tp.rank * self.shard_size
+        self.end = self.start + self.shard_size
+        self.weight = _param((self.shard_size, hidden), device, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        in_shard = (ids >= self.start) & (ids < self.end)
+        local = torch.where(in_shard, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight)
+        out = out * in_shard.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+    def sources(self, hf_name: str) -> list[WeightSource]:
+        real = max(0, min(self.end, self.vocab_size) - self.start)
+        return [WeightSource(hf_name, (self.vocab_size, self.hidden), 0, self.start, real, 0)]
+
+
+class ParallelLMHead(nn.Module):
+    """logits = hidden @ W^T with W's vocab rows split across ranks; gathered to the full vocab."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo, device, dtype,
+                 tied_to: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.hidden = hidden
+        padded = -(-vocab_size // tp.size) * tp.size
+        self.shard_size = padded // tp.size
+        self.start = tp.rank * self.shard_size
+        self.end = self.start + self.shard_size
+        self.tied = tied_to is not None
+        if tied_to is not None:
+            self._embed = [tied_to]  # a list keeps it out of this module's parameters
+        else:
+            self.weight = _param((self.shard_size, hidden), device, dtype)
+
+    def get_weight(self) -> torch.Tensor:
+        return self._embed[0].weight if self.tied else self.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.get_weight()).float()
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]
+
+    def sources(self, hf_name: str) -> list[WeightSource]:
+        real = max(0, min(self.end, self.vocab_size) - self.start)
+        return [WeightSource(hf_name, (self.vocab_size, self.hidden), 0, self.start, real, 0)]
+
+
+# --------------------------------------------------------------------------- norm / rope
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops, device, dtype):
+        super().__init__()
+        self.eps = eps
+        self.ops = ops
+        self.size = size
+        self.weight = _param((size,), device, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def sources(self, hf_name: str) -> list[WeightSource]:
+        return [WeightSource(hf_name, (self.size,))]
+
+
+def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [rot_dim/2] in fp32 (plain RoPE, or Llama-3.1 scaled)."""
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if not scaling:
+        return inv_freq
+    if scaling["rope_type"] != "llama3":
+        raise ModelLoadError(f"unsupported rope scaling type {scaling['rope_type']!r}")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    orig = scaling["original_max_position_embeddings"]
+    low_wavelen = orig / low  # longer waves than this: fully interpolated (divided by factor)
+    high_wavelen = orig / high  # shorter waves than this: untouched
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    # in between: blend the interpolated and original frequency linearly in orig/wavelen
+    blend = (orig / wavelen - low) / (high - low)
+    mixed = (1 - blend) * scaled / factor + blend * scaled
+    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(middle, mixed, scaled)
+
+
+def build_cos_sin_cache(max_pos: int, rot_dim: int, theta: float, scaling: dict | None,
+                        device) -> torch.Tensor:
+    """[max_pos, rot_dim] fp32, row p = [cos(p * f) | sin(p * f)]."""
+    inv_freq = rope_inv_freq(rot_dim, theta, scaling)
+    pos = torch.arange(max_pos, dtype=torch.int64).float()
+    angles = pos[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the fp32 cos/sin table. It is a plain attribute, not a buffer, so `module.to(dtype)`
+    can never round it to half precision; it follows the inputs' device on first use."""
+
+    def __init__(self, rot_dim: int, max_pos: int, theta: float, scaling: dict | None, ops, device):
+        super().__init__()
+        self.ops = ops
+        self.rot_dim = rot_dim
+        self.max_pos = max_pos
+        self.cos_sin_cache = build_cos_sin_cache(max_pos, rot_dim, theta, scaling, device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.cos_sin_cache.device != q.device:
+            self.cos_sin_cache = self.cos_sin_cache.to(q.device)
+        return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)

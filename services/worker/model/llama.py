@@ -1,0 +1,199 @@
+"""Our decoder for the Llama family (Llama 2/3, Mistral), Qwen2 and Qwen3.
+
+One flat batch per forward: `input_ids[T]`, `positions[T]` and the paged-KV metadata describe
+prefill chunks and decode tokens of many requests mixed; nothing here loops over requests.
+The differences between the families are three switches read from ModelConfig:
+`attention_bias` (Qwen2 q/k/v bias), `qk_norm` (Qwen3 per-head RMSNorm before RoPE) and
+`tie_word_embeddings`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.model_config import ModelConfig
+from services.worker.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    TPInfo,
+    VocabParallelEmbedding,
+    WeightSource,
+    divide,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPInfo, ops, rotary: RotaryEmbedding, device, dtype):
+        super().__init__()
+        self.ops = ops
+        self.prefix = prefix
+        d = cfg.head_dim
+        self.head_dim = d
+        self.num_heads = divide(cfg.num_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = divide(cfg.num_kv_heads, tp.size, "num_key_value_heads")
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d ** -0.5
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], tp,
+            cfg.attention_bias, device, dtype,
+            part_names=["q_proj (num_attention_heads*head_dim)", "k_proj (num_key_value_heads*head_dim)",
+                        "v_proj (num_key_value_heads*head_dim)"],
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, device, dtype,
+                                        what="o_proj input (num_attention_heads*head_dim)", bias=cfg.o_proj_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype)
+        self._rotary = [rotary]  # shared across layers; a list keeps it out of submodules
+
+    def forward(self, positions, hidden, kv_cache, meta):
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self._rotary[0](positions, q, k)
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def weight_sources(self) -> dict[str, list[WeightSource]]:
+        p = self.prefix
+        names = [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"]
+        out = {
+            "qkv_proj.weight": self.qkv_proj.sources([n + ".weight" for n in names], "weight"),
+            "o_proj.weight": self.o_proj.sources(f"{p}.o_proj.weight"),
+        }
+        if self.qkv_proj.bias is not None:
+            out["qkv_proj.bias"] = self.qkv_proj.sources([n + ".bias" for n in names], "bias")
+        if self.o_proj.bias is not None:
+            out["o_proj.bias"] = self.o_proj.bias_sources(f"{p}.o_proj.bias")
+        if self.qk_norm:
+            out["q_norm.weight"] = self.q_norm.sources(f"{p}.q_norm.weight")
+            out["k_norm.weight"] = self.k_norm.sources(f"{p}.k_norm.weight")
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPInfo, ops, device, dtype):
+        super().__init__()
+        self.ops = ops
+        self.prefix = prefix
+        i = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [i, i], tp, False, device, dtype,
+                                                 part_names=["intermediate_size", "intermediate_size"])
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp, device, dtype, what="intermediate_size")
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+    def weight_sources(self) -> dict[str, list[WeightSource]]:
+        p = self.prefix
+        return {
+            "gate_up_proj.weight": self.gate_up_proj.sources([f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
+            "down_proj.weight": self.down_proj.sources(f"{p}.down_proj.weight"),
+        }
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, tp: TPInfo, ops, rotary, device, dtype):
+        super().__init__()
+        prefix = f"model.layers.{idx}"
+        self.prefix = prefix
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, device, dtype)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, ops, rotary, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, device, dtype)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", tp, ops, device, dtype)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        # pre-norm block with the residual add fused into the next norm
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def weight_sources(self) -> dict[str, list[WeightSource]]:
+        out = {
+            "input_layernorm.weight": self.input_layernorm.sources(f"{self.prefix}.input_layernorm.weight"),
+            "post_attention_layernorm.weight":
+                self.post_attention_layernorm.sources(f"{self.prefix}.post_attention_layernorm.weight"),
+        }
+        out.update({f"self_attn.{k}": v for k, v in self.self_attn.weight_sources().items()})
+        out.update({f"mlp.{k}": v for k, v in self.mlp.weight_sources().items()})
+        return out
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM over a paged KV cache; see the package docstring for the interface."""
+
+    def __init__(self, cfg: ModelConfig, device, dtype: torch.dtype, ops,
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        self.cfg = cfg
+        self.ops = ops
+        self.tp = TPInfo(tp_rank, tp_size, tp_group)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # validate every split up front so the error names the config value
+        divide(cfg.num_heads, tp_size, "num_attention_heads")
+        divide(cfg.num_kv_heads, tp_size, "num_key_value_heads")
+        divide(cfg.intermediate_size, tp_size, "intermediate_size")
+        self.num_layers = cfg.num_layers
+        self.num_heads = cfg.num_heads // tp_size
+        self.num_kv_heads = cfg.num_kv_heads // tp_size
+        self.head_dim = cfg.head_dim
+        self.vocab_size = cfg.vocab_size
+
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, ops, self.device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.tp, ops, self.rotary, self.device, dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, self.device, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype,
+                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
+        """input_ids[T], positions[T] -> final-normed hidden states [T, hidden]."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv, meta)
+        if residual is None:  # zero layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden[N, H] -> logits[N, vocab_size] float32 over the full vocabulary."""
+        return self.lm_head(hidden)
+
+    def weight_sources(self) -> dict[str, list[WeightSource]]:
+        """Our parameter name -> checkpoint pieces that fill it (this shard's slices only)."""
+        out = {"embed_tokens.weight": self.embed_tokens.sources("model.embed_tokens.weight"),
+               "norm.weight": self.norm.sources("model.norm.weight")}
+        for i, layer in enumerate(self.layers):
+            out.update({f"layers.{i}.{k}": v for k, v in layer.weight_sources().items()})
+        if not self.cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.sources("lm_head.weight")
+        return out

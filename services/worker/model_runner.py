@@ -1,0 +1,187 @@
+"""The worker's numerics: per-request state, flat batches, the model and the sampler.
+
+A step names requests by id and carries only what the worker lacks (docs/architecture.md):
+new requests in full, running ones as new block ids. The runner appends the tokens it samples
+to its own copy of each sequence, so decode steps need no token ids from the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.config import EngineArgs
+from common.model_config import ModelConfig, resolve_dtype
+from common.sampling_params import SamplingParams
+from kernels import AttentionMetadata, get_ops, resolve_backend
+from common.step import SchedulerOutput
+from services.worker.model import load_model
+from services.worker.sampler import SamplingTensors, sample
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class _ReqState:
+    __slots__ = ("token_ids", "num_prompt_tokens", "params", "seed", "block_ids", "num_computed")
+
+    def __init__(self, token_ids, num_prompt_tokens, params, seed, block_ids, num_computed):
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.params: SamplingParams = params
+        self.seed = seed
+        self.block_ids: list[int] = list(block_ids)
+        self.num_computed = num_computed
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: np.ndarray  # [B] int32, -1 where the request did not sample this step
+    logprob_token_ids: np.ndarray | None = None  # [B, 1+k] int32 (col 0 = sampled token)
+    logprobs: np.ndarray | None = None  # [B, 1+k] float32
+    ranks: np.ndarray | None = None  # [B] int32
+    num_tokens: int = 0
+    step_time_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group=None, device: str | None = None) -> None:
+        self.args = args
+        self.cfg = model_cfg
+        self.device = torch.device(device or args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg)
+        self.backend = resolve_backend(args.attention_backend, self.device)
+        self.ops = get_ops(self.backend, self.device)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = load_model(model_cfg, self.device, self.dtype, self.ops, tp_rank=tp_rank,
+                                tp_size=tp_size, tp_group=tp_group)
+        self.block_size = args.block_size
+        self.num_blocks = self._kv_capacity()
+        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.model.num_layers)
+        ]
+        self.reqs: dict[str, _ReqState] = {}
+        self.eos_token_ids = list(model_cfg.eos_token_ids)
+        self.num_steps = 0
+
+    # ---- capacity ---------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _kv_capacity(self) -> int:
+        a = self.args
+        if a.num_kv_blocks is not None:
+            return a.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * a.gpu_memory_utilization) - (total - free) - (1 << 30)  # 1 GiB for activations
+        else:
+            budget = a.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        blocks = budget // per_block
+        if blocks < 1:
+            raise MemoryError(
+                f"no room for the KV cache: one block needs {per_block} bytes, the budget is {budget}; "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization or give num_kv_blocks")
+        return int(blocks)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def apply_state(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for n in so.new_reqs:
+            self.reqs[n.req_id] = _ReqState(n.token_ids, n.num_prompt_tokens, n.params, n.seed,
+                                            n.block_ids, n.num_computed_tokens)
+        for c in so.cached_reqs:
+            st = self.reqs[c.req_id]
+            st.block_ids.extend(c.new_block_ids)
+            st.num_computed = c.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        self.apply_state(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return RunnerOutput([], np.zeros(0, np.int32))
+        states = [self.reqs[r] for r in req_ids]
+        B = len(states)
+        bs = self.block_size
+        counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, B)
+        starts = np.fromiter((s.num_computed for s in states), np.int64, B)
+        seq_lens = starts + counts
+        qsl = np.zeros(B + 1, np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        T = int(qsl[-1])
+        # flat positions and token ids
+        row_of_tok = np.repeat(np.arange(B), counts)
+        positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
+        input_ids = np.fromiter(
+            (t for s, a, n in zip(states, starts.tolist(), counts.tolist()) for t in s.token_ids[a:a + n]),
+            np.int64, T)
+        # block tables and slot mapping
+        max_blocks = max(len(s.block_ids) for s in states)
+        table = np.zeros((B, max_blocks), np.int32)
+        for i, s in enumerate(states):
+            table[i, :len(s.block_ids)] = s.block_ids
+        slots = table[row_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+        # which requests produce a token: their sequence is fully computed after this step
+        num_tokens = np.fromiter((len(s.token_ids) for s in states), np.int64, B)
+        sample_rows = np.nonzero(seq_lens == num_tokens)[0]
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),
+                            torch.from_numpy(positions).to(dev, non_blocking=True), self.kv_caches, meta)
+
+        sampled_all = np.full(B, -1, np.int32)
+        out = RunnerOutput(req_ids, sampled_all, num_tokens=T)
+        if len(sample_rows):
+            idx = torch.from_numpy(qsl[1:][sample_rows] - 1).to(dev)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            ss = [states[i] for i in sample_rows.tolist()]
+            st = SamplingTensors.from_requests(
+                params=[s.params for s in ss],
+                seeds=[s.seed for s in ss],
+                positions=[len(s.token_ids) for s in ss],
+                prompt_ids=[s.token_ids[:s.num_prompt_tokens] for s in ss],
+                output_ids=[s.token_ids[s.num_prompt_tokens:] for s in ss],
+                eos_ids=self.eos_token_ids,
+                device=dev,
+            )
+            res = sample(logits, st)
+            toks = res.sampled.to("cpu", torch.int32).numpy()
+            sampled_all[sample_rows] = toks
+            for s, t in zip(ss, toks.tolist()):
+                s.token_ids.append(t)
+            if res.logprobs is not None:
+                k = res.logprobs.shape[1]
+                out.logprob_token_ids = np.zeros((B, k), np.int32)
+                out.logprobs = np.zeros((B, k), np.float32)
+                out.ranks = np.zeros(B, np.int32)
+                out.logprob_token_ids[sample_rows] = res.logprob_token_ids.to("cpu", torch.int32).numpy()
+                out.logprobs[sample_rows] = res.logprobs.float().cpu().numpy()
+                out.ranks[sample_rows] = res.ranks.to("cpu", torch.int32).numpy()
+        for s, n in zip(states, counts.tolist()):
+            s.num_computed += n
+        self.num_steps += 1
+        out.step_time_s = time.perf_counter() - t0
+        return out

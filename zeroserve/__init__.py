@@ -1,0 +1,23 @@
+"""zeroserve public API."""
+
+from common.errors import (ClusterUnavailable, InvalidRequest, ModelLoadError, Overloaded, RequestTimeout,
+                           ZeroserveError)
+from common.outputs import CompletionOutput, Logprob, RequestOutput
+from common.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "Client", "AsyncClient",
+    "ZeroserveError", "InvalidRequest", "Overloaded", "RequestTimeout", "ClusterUnavailable", "ModelLoadError",
+]
+
+
+def __getattr__(name):  # import heavy parts (torch) only when used
+    if name == "LLM":
+        from zeroserve.llm import LLM
+
+        return LLM
+    if name in ("Client", "AsyncClient"):
+        from zeroserve import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

@@ -1,0 +1,58 @@
+"""Offline batch generation with vLLM's interface: LLM(model).generate(prompts, params)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from common.config import EngineArgs
+from common.errors import InvalidRequest
+from common.outputs import RequestOutput
+from common.sampling_params import SamplingParams
+from services.engine import LLMEngine
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequest(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                     "pass one for all or one per prompt")
+        # validate everything before running anything: a bad prompt loses no work
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
