@@ -102,7 +102,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike, require_weights: bool = True) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | os.PathLike, require_weights: bool = True) -> ModelConfig:
         """Parse `model_dir`/config.json (+ generation_config.json when present).
 
         `require_weights=False` skips the check for *.safetensors files (random-init benchmarks
@@ -131,7 +131,7 @@ class ModelConfig:
         generation: dict[str, Any] | None = None,
         model_dir: str = "",
         source: str = "config.json",
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         """Build from an already-parsed config.json dict (and generation_config.json dict)."""
         generation = generation or {}
         if not isinstance(hf, dict):
@@ -321,7 +321,7 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] 
 def resolve_dtype(
     dtype: str | torch.dtype,
     device: torch.device | str,
-    config: "ModelConfig | str | None" = None,
+    config: ModelConfig | str | None = None,
 ) -> torch.dtype:
     """Turn a user dtype name into a torch dtype.
 

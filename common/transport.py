@@ -50,6 +50,7 @@ __all__ = [
     "curve_client",
     "curve_server",
     "free_port",
+    "free_port_block",
     "generate_keys",
     "make_context",
     "make_socket",
@@ -190,6 +191,27 @@ def free_port(host: str = DEFAULT_HOST) -> int:
     with _socket.socket(family, _socket.SOCK_STREAM) as s:
         s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
+
+
+def free_port_block(n: int = 4, host: str = DEFAULT_HOST) -> int:
+    """A base port with ``n`` consecutive free ports (a scheduler binds port..port+3)."""
+    import random
+
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        socks = []
+        try:
+            for i in range(n):
+                s = _socket.socket()
+                socks.append(s)
+                s.bind((host, base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports found on {host}")
 
 
 def _frames(sock: zmq.Socket, msg: Any, identity: bytes | None, max_message_size: int) -> list:

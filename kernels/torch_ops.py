@@ -270,7 +270,7 @@ def paged_attention(
 
 
 PAD_WASTE = 1.5  # a padded group may cost at most this much more than its ragged work ...
-PAD_SLACK = 32768  # ... unless the padding is this small anyway (query x key pairs)
+PAD_SLACK = 4096  # ... unless the padding is this small anyway (query x key pairs)
 
 
 def _group_by_padding(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:

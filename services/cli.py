@@ -39,6 +39,8 @@ def _env_default(name: str, default):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="zeroserve", description="An LLM serving engine built as a ZeroMQ cluster.")
+    ap.add_argument("--log-json", action="store_true", help="JSON log lines (also ZEROSERVE_LOG_JSON=1)")
+    ap.add_argument("--log-level", default=None, help="debug | info | warning | error")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start a local cluster: scheduler, detokenizer and workers")
@@ -91,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true")
     gen.add_argument("--timeout", type=float, default=30.0)
+
+    bt = sub.add_parser("batch", help="offline batch generation in this process (no cluster), JSON lines out")
+    bt.add_argument("input", help="a text file with one prompt per line ('-' = stdin)")
+    bt.add_argument("--model", default=None, help="HF model directory (default: the built-in tiny model)")
+    bt.add_argument("--max-tokens", type=int, default=32)
+    bt.add_argument("--temperature", type=float, default=0.0)
+    bt.add_argument("--seed", type=int, default=None)
+    bt.add_argument("--no-progress", action="store_true")
+    _engine_flags(bt)
 
     tm = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")
     from services.tiny_model import add_cli_args
@@ -149,8 +160,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _batch(args) -> int:
+    from zeroserve import LLM, SamplingParams
+
+    src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    with src:
+        prompts = [line.rstrip("\n") for line in src if line.strip()]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    for out in llm.generate(prompts, params, use_tqdm=not args.no_progress):
+        o = out.outputs[0]
+        print(json.dumps({"prompt": out.prompt, "text": o.text, "token_ids": o.token_ids,
+                          "finish_reason": o.finish_reason}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_json:
+        os.environ["ZEROSERVE_LOG_JSON"] = "1"
+    if args.log_level:
+        os.environ["ZEROSERVE_LOG_LEVEL"] = args.log_level
     if args.cmd == "up":
         from services.launcher import main as up_main
 
@@ -173,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args)
     if args.cmd == "generate":
         return _generate(args)
+    if args.cmd == "batch":
+        return _batch(args)
     if args.cmd == "make-tiny-model":
         from services.tiny_model import run_cli
 

@@ -126,6 +126,8 @@ def test_preemption_matches_hf(arch, prefix_caching):
     assert llm.engine.scheduler.num_preemptions > 0
     check_against_hf(arch, idxs, outs)
     assert llm.engine.block_manager.num_used_blocks == 0
+    if not prefix_caching:  # the preempted requests really were recomputed from their tokens
+        assert llm.engine.scheduler.num_computed_tokens_total > expected_computed(idxs, [0] * len(idxs))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.helpers import (  # noqa: E402, F401 (torch_single_thread is a fixture)
+from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
     PagedKV,
     cached_model_dir,
     load_our_model,
@@ -124,7 +124,8 @@ def test_tp2_matches_tp1(tmp_path):
         for r in range(TP):
             got = shards[r][name]["logits"]
             assert got.shape == want.shape
-            torch.testing.assert_close(got, want, atol=2e-4, rtol=0, msg=lambda m: f"{name} rank {r}: {m}")
+            err = (got - want).abs().max().item()
+            assert err <= 2e-4, f"{name} rank {r}: max |tp2 - tp1| = {err}"
         # same greedy tokens, and every rank sees the full gathered vocab
         assert torch.equal(shards[0][name]["logits"].argmax(-1), want.argmax(-1))
         full = ref[name]["bytes"]

@@ -68,6 +68,7 @@ class WorkerService:
         self.rejoin_seen = threading.Event()
         self.steps_done = 0
         self.tokens_done = 0
+        self.busy_s = 0.0  # total time spent computing steps
         self.step_times: list[float] = []
         self.runner: ModelRunner | None = None
 
@@ -161,6 +162,7 @@ class WorkerService:
         r = self.runner
         recent = self.step_times[-50:]
         s = {"steps": self.steps_done, "tokens": self.tokens_done, "running": len(r.reqs) if r else 0,
+             "busy_s": round(self.busy_s, 4),
              "rss_bytes": psutil.Process().memory_info().rss,
              "step_ms": round(1000 * sum(recent) / len(recent), 3) if recent else 0.0}
         if self.device.startswith("cuda"):
@@ -267,6 +269,7 @@ class WorkerService:
             raise SystemExit(EXIT_RESYNC) from e
         self.steps_done += 1
         self.tokens_done += out.num_tokens
+        self.busy_s += out.step_time_s
         self.step_times.append(out.step_time_s)
         del self.step_times[:-100]
         if self.tp_rank == 0:

@@ -17,7 +17,6 @@ import torch
 from safetensors import safe_open
 
 from common.errors import ModelLoadError
-from common.model_config import ModelConfig
 from services.worker.model.layers import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,7 +45,7 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not iterable
                     out.setdefault(name, f)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ModelLoadError(f"cannot read weight file {str(f)!r}: {e}") from None
