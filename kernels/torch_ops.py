@@ -215,7 +215,7 @@ def paged_attention(
     padding costs at most PAD_WASTE x the ragged work (usually one group). Softmax in fp32,
     output in q.dtype. Rows past query_start_loc[-1] (padding tokens) come back as zeros.
     """
-    t, hq, d = q.shape
+    t = q.shape[0]
     qsl = meta.query_start_loc.long()
     nreq = qsl.shape[0] - 1
     if t == 0 or nreq <= 0:

@@ -6,12 +6,21 @@ covers a test process that is killed outright).
         c.wait_ready(groups=2)
         with c.client() as client:
             client.generate("hello", SamplingParams(max_tokens=8))
-        c.kill_worker("g0-r0")          # SIGKILL one shard
+        c.kill("g0-r0")                 # SIGKILL one shard (names: scheduler, detokenizer, g<i>-r<rank>)
+
+Start processes (`start`, `start_group`, `start_worker`) from the main thread: PR_SET_PDEATHSIG
+fires when the *thread* that forked the child ends, so a child started from a short-lived
+helper thread is killed when that thread returns.
+
+Leftover check: every process started under a test session inherits `ZEROSERVE_TEST_SESSION`
+(set here at import), orphans included, so `leftover_processes()` finds whatever a test left
+running, and the module fixture `no_leftover_processes` fails the module that leaked one.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -19,10 +28,71 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from common.transport import free_port_block
-from services.launcher import Child, stop_children
+from services.launcher import Child
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Every child of this test session (and their children, orphans too) inherits this variable.
+SESSION_ENV = "ZEROSERVE_TEST_SESSION"
+SESSION_TAG = os.environ.setdefault(SESSION_ENV, f"{os.getpid()}-{random.getrandbits(48):012x}")
+
+
+def tagged_processes(exclude: set[int] | frozenset[int] = frozenset()) -> list:
+    """Live (non-zombie) processes that carry this session's tag, other than this process."""
+    import psutil
+
+    out = []
+    me = os.getpid()
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me or p.pid in exclude:
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(SESSION_ENV) == SESSION_TAG:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return out
+
+
+def leftover_processes(before: set[int] | frozenset[int] = frozenset(), grace_s: float = 10.0) -> list[str]:
+    """Tagged processes not in `before` still alive after up to `grace_s` (PDEATHSIG and
+    SIGTERM handling take a moment); each as "pid cmdline"."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        procs = tagged_processes(set(before))
+        if not procs or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
+        except Exception:  # noqa: BLE001 (gone meanwhile)
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def no_leftover_processes():
+    """Fails the module (at teardown) if a process it started outlives it; import it into a
+    test module and use it with `pytestmark = pytest.mark.usefixtures("no_leftover_processes")`."""
+    before = {p.pid for p in tagged_processes()}
+    yield
+    left = leftover_processes(before)
+    if left:
+        import psutil
+
+        for line in left:  # do not leak them into the rest of the session either
+            try:
+                psutil.Process(int(line.split()[0])).kill()
+            except Exception:  # noqa: BLE001
+                pass
+        pytest.fail("processes left running after the module: " + "; ".join(left), pytrace=False)
 
 
 class LocalCluster:
@@ -51,7 +121,7 @@ class LocalCluster:
         log = open(self.logdir / f"{name}.log", "ab")
         self._logs.append(log)
         child = Child(name, argv, env={"PYTHONPATH": str(REPO), "ZEROSERVE_LOG_LEVEL": "info",
-                                       "PYTHONUNBUFFERED": "1"})
+                                       "PYTHONUNBUFFERED": "1", SESSION_ENV: SESSION_TAG})
         env = dict(os.environ, **child.env)
         from services.launcher import _die_with_parent
 
@@ -95,10 +165,35 @@ class LocalCluster:
     def wait_exit(self, name: str, timeout: float = 30.0) -> int:
         return self.children[name].proc.wait(timeout=timeout)
 
+    def pids(self) -> dict[str, int]:
+        """name -> pid of every process this cluster started (alive or not)."""
+        return {n: c.proc.pid for n, c in self.children.items() if c.proc is not None}
+
     def stop(self) -> None:
-        stop_children(list(self.children.values()))
+        """Workers first (SIGTERM: they drain and leave), then the detokenizer and the scheduler;
+        SIGKILL whatever does not exit in time. Idempotent."""
+        kids = list(self.children.values())
+        workers = [c for c in kids if c.name not in ("scheduler",) and not c.name.startswith("detokenizer")]
+        others = [c for c in kids if c not in workers]
+        for batch, grace in ((workers, 8.0), (others, 5.0)):
+            for c in batch:
+                if c.alive():
+                    try:
+                        c.proc.send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + grace
+            for c in batch:
+                if c.proc is None:
+                    continue
+                try:
+                    c.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(timeout=10)
         for f in self._logs:
             f.close()
+        self._logs = []
 
     def logs(self) -> str:
         out = []
