@@ -10,31 +10,42 @@ import sys
 DEFAULT_PORT = 7000
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--device", default=os.environ.get("ZEROSERVE_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget on CPU (default 1 GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this worker")
-
-
-def _scheduler_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-queue-len", type=int, default=4096)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    p.add_argument("--step-timeout", type=float, default=120.0)
-    p.add_argument("--client-timeout", type=float, default=10.0)
-
-
 def _env_default(name: str, default):
     v = os.environ.get(name)
     return v if v not in (None, "") else default
+
+
+def _opt(p: argparse.ArgumentParser, flag: str, type=str, default=None, **kw) -> None:
+    """A flag whose default comes from ZEROSERVE_<FLAG> when set (compose, containers)."""
+    env = "ZEROSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+    val = _env_default(env, default)
+    if val is not None and type is not str:
+        val = type(val)
+    p.add_argument(flag, type=type, default=val, help=(kw.pop("help", "") + f" [env {env}]").strip(), **kw)
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    _opt(p, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    _opt(p, "--device", default="cpu", help="cpu | cuda | cuda:N")
+    _opt(p, "--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    _opt(p, "--block-size", int, 16)
+    _opt(p, "--num-kv-blocks", int, None)
+    _opt(p, "--kv-cache-memory-bytes", int, None, help="KV budget on CPU (default 1 GiB)")
+    _opt(p, "--gpu-memory-utilization", float, 0.9)
+    _opt(p, "--max-model-len", int, None)
+    _opt(p, "--threads", int, None, help="torch CPU threads for this worker")
+
+
+def _scheduler_flags(p: argparse.ArgumentParser) -> None:
+    _opt(p, "--max-num-seqs", int, 256)
+    _opt(p, "--max-num-batched-tokens", int, 2048)
+    _opt(p, "--max-queue-len", int, 4096)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=_env_default("ZEROSERVE_NO_PREFIX_CACHING", "0") not in ("0", "false"))
+    _opt(p, "--heartbeat-timeout", float, 5.0)
+    _opt(p, "--step-timeout", float, 120.0)
+    _opt(p, "--client-timeout", float, 10.0)
+    _opt(p, "--drain-timeout", float, 60.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--host", default=_env_default("ZEROSERVE_HOST", "127.0.0.1"))
     sc.add_argument("--port", type=int, default=int(_env_default("ZEROSERVE_PORT", DEFAULT_PORT)))
     sc.add_argument("--model", action="append", default=None,
-                    help="model directory whose requests we serve (repeatable; default: the built-in model)")
-    sc.add_argument("--max-model-len", type=int, default=None)
+                    help="model directory whose requests we serve (repeatable; default: $ZEROSERVE_MODEL or "
+                         "the built-in model)")
+    sc.add_argument("--advertise-host", default=_env_default("ZEROSERVE_ADVERTISE_HOST", None),
+                    help="the host workers reach us at, when we bind 0.0.0.0 (default: the bind host)")
+    _opt(sc, "--max-model-len", int, None)
     _scheduler_flags(sc)
 
     wk = sub.add_parser("worker", help="run one worker shard")
@@ -77,17 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     dt = sub.add_parser("detokenizer", help="run the detokenizer process")
     dt.add_argument("--scheduler", default=_env_default("ZEROSERVE_SCHEDULER", f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"))
-    dt.add_argument("--model", action="append", default=None)
+    dt.add_argument("--model", action="append", default=None, help="default: $ZEROSERVE_MODEL or the built-in model")
     dt.add_argument("--worker-id", default=None)
 
     st = sub.add_parser("status", help="show the cluster: workers, KV use, queue, tokens/s")
-    st.add_argument("--address", default=f"tcp://127.0.0.1:{DEFAULT_PORT}")
+    st.add_argument("--address", default=_env_default("ZEROSERVE_ADDRESS", f"tcp://127.0.0.1:{DEFAULT_PORT}"))
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0)
 
     gen = sub.add_parser("generate", help="send one request to a running cluster")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default=f"tcp://127.0.0.1:{DEFAULT_PORT}")
+    gen.add_argument("--address", default=_env_default("ZEROSERVE_ADDRESS", f"tcp://127.0.0.1:{DEFAULT_PORT}"))
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -195,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.engine import default_model_dir
         from services.scheduler.service import main as sched_main
 
-        args.model = args.model or [str(default_model_dir())]
+        args.model = args.model or [_env_default("ZEROSERVE_MODEL", None) or str(default_model_dir())]
         return sched_main(args)
     if args.cmd == "worker":
         from services.worker.service import main as worker_main
@@ -204,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "detokenizer":
         from services.detokenizer.service import main as detok_main
 
+        if not args.model and _env_default("ZEROSERVE_MODEL", None):
+            args.model = [os.environ["ZEROSERVE_MODEL"]]
         return detok_main(args)
     if args.cmd == "status":
         return _status(args)

@@ -25,8 +25,8 @@ models are ~100x faster with one intra-op thread on a loaded 2-core machine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import torch
@@ -70,8 +70,8 @@ def hf_greedy(arch: str, prompt: Sequence[int], n: int, mode: str = "ignore") ->
     if key not in _GEN:
         model = hf_model(arch)
         ids = torch.tensor([list(prompt)], dtype=torch.long)
-        kw = dict(do_sample=False, max_new_tokens=n, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
+        kw = {"do_sample": False, "max_new_tokens": n, "pad_token_id": 0,
+                  "attention_mask": torch.ones_like(ids)}
         if mode == "ignore":
             kw["eos_token_id"] = []  # no stopping criterion on EOS, no logits processor either
         elif mode == "min_new":

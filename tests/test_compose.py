@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,8 +31,11 @@ import psutil
 import pytest
 import yaml
 
+from common.transport import free_port_block
 from services.launcher import _die_with_parent
-from tests.cluster import free_port_block
+from tests.cluster import SESSION_ENV, SESSION_TAG, no_leftover_processes  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
@@ -232,6 +236,13 @@ def test_compose_structure():
     assert depends(services["scheduler"]) == {"model-init": "service_completed_successfully"}
     assert depends(services["detokenizer"]) == {"scheduler": "service_healthy"}
     assert depends(services["worker"]) == {"scheduler": "service_healthy"}
+
+    # The scheduler binds every interface of its container and advertises its service name as
+    # the step PUB host (WELCOME); its healthcheck runs inside the container, on loopback.
+    senv = env_map(services["scheduler"]["environment"])
+    assert senv["ZEROSERVE_HOST"] == "0.0.0.0"
+    assert senv["ZEROSERVE_ADVERTISE_HOST"] == services["scheduler"]["hostname"] == "scheduler"
+    assert "tcp://127.0.0.1:7000" in services["scheduler"]["healthcheck"]["test"]
     topo_order(services)
 
     # only the scheduler's client port is published, on the host's loopback only
@@ -266,7 +277,7 @@ def test_commands_parse_with_the_cli():
     image = dockerfile()
     doc = load(BASE_FILE, {})
     seen = 0
-    for name, svc in doc["services"].items():
+    for svc in doc["services"].values():
         entry = svc.get("entrypoint") or image["entrypoint"]
         if entry == ["zeroserve"]:
             build_parser().parse_args(svc.get("command") or image["cmd"])
@@ -311,7 +322,7 @@ def test_every_variable_has_a_default_and_is_documented():
     for name, default in {**used, **used_gpu}.items():
         assert default is not None, f"${{{name}}} needs a :- default so the stack starts without a .env"
         assert name in example, f"{name} is not documented in compose/.env.example"
-    for name, default in used.items():
+    for name, default in {**used, **used_gpu}.items():
         assert example[name] == default, f"{name}: .env.example says {example[name]!r}, compose {default!r}"
 
 
@@ -412,8 +423,8 @@ class Stack:
 
     # -- what Compose would run
     def env(self, name: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}
-        env.update(PYTHONPATH=str(REPO), HOME=str(self.tmp / "home"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}  # a container's env is its own
+        env.update({"PYTHONPATH": str(REPO), "HOME": str(self.tmp / "home"), SESSION_ENV: SESSION_TAG})
         layers = [{k: v for k, v in self.image["env"].items() if "$" not in v and k not in ("HOME", "PATH")},
                   env_map(self.services[name].get("environment"))]
         for layer in layers:
@@ -429,10 +440,11 @@ class Stack:
     # -- processes
     def start(self, name: str) -> None:
         for i in range(self.scale[name]):
-            log = open(self.tmp / f"{name}-{i + 1}.log", "ab")
+            log = open(self.tmp / f"{name}-{i + 1}.log", "ab")  # noqa: SIM115 (closed in close())
             self._logs.append(log)
+            # From the main thread only: PR_SET_PDEATHSIG follows the forking thread.
             p = subprocess.Popen(self.argv(name), env=self.env(name), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=_die_with_parent)  # noqa: PLW1509
             self.procs.setdefault(name, []).append(p)
 
     def healthcheck(self, name: str) -> subprocess.CompletedProcess:
@@ -440,7 +452,7 @@ class Stack:
         assert hc["test"][0] == "CMD"
         try:
             return subprocess.run(self.map.argv(hc["test"][1:]), env=self.env(name), cwd=REPO, capture_output=True,
-                                  text=True, timeout=max(duration_s(hc["timeout"]), 20.0),
+                                  text=True, timeout=max(duration_s(hc["timeout"]), 20.0), check=False,
                                   preexec_fn=_die_with_parent)
         except subprocess.TimeoutExpired as e:
             return subprocess.CompletedProcess(e.cmd, -1, "", f"timed out after {e.timeout}s")
@@ -494,7 +506,7 @@ class Stack:
                     ready = [g for g in last["groups"] if g["state"] == "ready"]
                     if len(ready) >= groups and last["detokenizer"]["connected"]:
                         return last
-                except Exception:  # noqa: BLE001 - not up yet
+                except Exception:  # noqa: BLE001, S110 (not up yet)
                     pass
                 time.sleep(0.5)
         raise AssertionError(f"not ready in {timeout}s; last stats {last}\n{self.logs()}")
@@ -538,8 +550,8 @@ class Stack:
 def test_compose_stack_runs_as_local_processes():
     from zeroserve import Client, SamplingParams
 
-    t0 = time.monotonic()
     stack = Stack(scale=SCALE)
+    ok = False
     try:
         # what Compose would run, after the mapping
         wargv = stack.argv("worker")
@@ -568,9 +580,9 @@ def test_compose_stack_runs_as_local_processes():
 
         prompts = [f"Compose request {i} says" for i in range(6)]
         params = SamplingParams(max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
-        with Client(stack.address, timeout_s=10.0, request_timeout_s=90.0) as c:
-            with ThreadPoolExecutor(len(prompts)) as ex:
-                outs = list(ex.map(lambda p: c.generate(p, params), prompts))
+        with Client(stack.address, timeout_s=10.0, request_timeout_s=90.0) as c, \
+                ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: c.generate(p, params), prompts))
         for p, out in zip(prompts, outs):
             assert out.finished and out.prompt == p
             o = out.outputs[0]
@@ -596,7 +608,11 @@ def test_compose_stack_runs_as_local_processes():
                 os.killpg(pid, 0)
         for pid in tree:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+        ok = True
     finally:
         stack.kill_all()
         stack.close()
-    assert time.monotonic() - t0 < 180
+        if ok:
+            shutil.rmtree(stack.tmp, ignore_errors=True)
+        else:
+            print(f"logs kept in {stack.tmp}")

@@ -80,7 +80,7 @@ def _other_requests(n: int, rng_seed: int = 0, max_len: int = 150):
     for i in range(n):
         prompts.append(random_prompt(rng.randint(1, max_len), V, seed=10_000 + rng_seed * 100 + i))
         kind = rng.choice(["greedy", "unseeded", "seeded", "penalties", "logprobs", "n2", "stop"])
-        kw = dict(max_tokens=rng.randint(4, 30), ignore_eos=rng.random() < 0.5)
+        kw = {"max_tokens": rng.randint(4, 30), "ignore_eos": rng.random() < 0.5}
         if kind == "greedy":
             kw.update(temperature=0.0)
         elif kind == "unseeded":
@@ -316,13 +316,24 @@ def test_stop_strings_cut_the_text(llm):
     assert (c2.finish_reason, c2.stop_reason) == ("stop", s)
 
     # several stop strings: the earliest in the text wins; one that never occurs changes nothing
-    s2, a2 = _pick_stop_string(text, start=a + len(s) + 1, size=2)
+    s2, _a2 = _pick_stop_string(text, start=a + len(s) + 1, size=2)
     [out] = llm.generate(TEXT_PROMPT, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24,
                                                      stop=[s2, s, "\x07never\x07"]))
     assert out.outputs[0].text == text[:a] and out.outputs[0].stop_reason == s
     [out] = llm.generate(TEXT_PROMPT, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24,
                                                      stop=["\x07never\x07"]))
     assert out.outputs[0].text == text and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.xfail(strict=True, reason="stop strings are checked before min_tokens is reached: engine.py _process "
+                   "ends the request on delta.stop_str whatever min_tokens says (vLLM checks stop strings only once "
+                   "the output has more than min_tokens tokens)")
+def test_min_tokens_also_holds_against_stop_strings(llm):
+    [full] = llm.generate(TEXT_PROMPT, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24))
+    s, _ = _pick_stop_string(full.outputs[0].text)
+    [out] = llm.generate(TEXT_PROMPT, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24, stop=[s],
+                                                     min_tokens=12))
+    assert len(out.outputs[0].token_ids) >= 12
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,9 +412,9 @@ def _penalized_greedy_matches_hf(prompt, got, rep=1.0, freq=0.0, pres=0.0) -> No
         assert tok == int(row.argmax()) or float(top2[0] - top2[1]) < 1e-3, (i, tok, int(row.argmax()))
 
 
-@pytest.mark.parametrize("kw", [dict(presence_penalty=2.0), dict(frequency_penalty=1.5),
-                                dict(repetition_penalty=3.0), dict(presence_penalty=-2.0),
-                                dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)],
+@pytest.mark.parametrize("kw", [{"presence_penalty": 2.0}, {"frequency_penalty": 1.5},
+                                {"repetition_penalty": 3.0}, {"presence_penalty": -2.0},
+                                {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5}],
                          ids=["presence", "frequency", "repetition", "negative-presence", "all"])
 def test_penalties_follow_hf_logits(llm, kw):
     prompts = [REPEATY_PROMPT, PROMPTS[2], PROMPTS[6]]
@@ -422,7 +433,7 @@ def test_penalties_change_outputs_in_the_expected_direction(llm):
 
     base = run()
     assert _repeats(base[0]) >= 10  # the greedy baseline repeats itself a lot
-    for kw in (dict(presence_penalty=2.0), dict(frequency_penalty=2.0)):
+    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
         pen = run(**kw)
         assert _repeats(pen[0]) < _repeats(base[0]), kw
         assert sum(map(_repeats, pen)) < sum(map(_repeats, base)), kw

@@ -45,6 +45,7 @@ log = get_logger("scheduler")
 class SchedulerConfig:
     host: str = "127.0.0.1"
     port: int = 7000  # client ROUTER; backend = port+1, steps PUB = port+2, events PUB = port+3
+    advertise_host: str | None = None  # what workers dial for the step PUB (bind host if unset)
     models: list[str] = field(default_factory=list)  # model dirs whose tokenizers we serve
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -160,6 +161,8 @@ class SchedulerService:
         for s in (self.client_sock, self.backend):
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.addrs = addrs
+        adv = cfg.advertise_host or cfg.host
+        self.step_addr_advertised = f"tcp://{adv}:{cfg.port + 2}"
         # tokenization off the loop: results come back through a queue, a PAIR socket wakes us
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.tok_results: queue.SimpleQueue = queue.SimpleQueue()
@@ -540,7 +543,7 @@ class SchedulerService:
             if not s.welcomed:
                 self._send(self.backend, s.identity, P.Welcome(
                     accepted=True, group=g.name, dist_init_addr=g.dist_init_addr, scheduler_id=self.id,
-                    step_addr=self.addrs["steps"]))
+                    step_addr=self.step_addr_advertised))
                 s.welcomed = True
 
     def _group_ready(self, g: Group) -> None:
@@ -837,11 +840,12 @@ def main(args) -> int:
     from common.log import setup_logging
 
     setup_logging(service="scheduler")
-    cfg = SchedulerConfig(host=args.host, port=args.port, models=args.model or [],
+    cfg = SchedulerConfig(host=args.host, port=args.port, advertise_host=args.advertise_host, models=args.model or [],
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                           max_queue_len=args.max_queue_len, heartbeat_timeout_s=args.heartbeat_timeout,
-                          step_timeout_s=args.step_timeout, client_timeout_s=args.client_timeout)
+                          step_timeout_s=args.step_timeout, client_timeout_s=args.client_timeout,
+                          drain_timeout_s=args.drain_timeout)
     svc = SchedulerService(cfg)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     signal.signal(signal.SIGINT, lambda *_: svc.stop())

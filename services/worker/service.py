@@ -37,6 +37,15 @@ log = get_logger("worker")
 EXIT_OK, EXIT_REFUSED, EXIT_RESYNC = 0, 2, 3
 
 
+def reachable(addr: str, scheduler_addr: str) -> str:
+    """A scheduler bound to 0.0.0.0 advertises that; dial the host we reached it at instead."""
+    host = addr.split("//", 1)[-1].rsplit(":", 1)[0]
+    if host in ("0.0.0.0", "*", "[::]", "::"):
+        sched_host = scheduler_addr.split("//", 1)[-1].rsplit(":", 1)[0]
+        return addr.replace(host, sched_host, 1)
+    return addr
+
+
 class Rejoin(Exception):
     """The scheduler no longer knows this shard (it restarted, or gave the group up)."""
 
@@ -119,8 +128,9 @@ class WorkerService:
                     if not msg.accepted:
                         raise SystemExit(self._refused(msg.reason))
                     self._init_distributed(msg.dist_init_addr or self.dist_init_addr)
-                    sub = make_socket(self.ctx, zmq.SUB, connect=msg.step_addr, subscribe=P.group_topic(self.group))
-                    log.info("welcomed", group=self.group, step_addr=msg.step_addr, scheduler=msg.scheduler_id)
+                    step_addr = reachable(msg.step_addr, self.scheduler_addr)
+                    sub = make_socket(self.ctx, zmq.SUB, connect=step_addr, subscribe=P.group_topic(self.group))
+                    log.info("welcomed", group=self.group, step_addr=step_addr, scheduler=msg.scheduler_id)
                     self.rejoin.clear()
                     self.joined.set()
                     return sub
