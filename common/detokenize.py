@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = bool(params.skip_special_tokens)
         self.include_stop = bool(params.include_stop_str_in_output)
+        self.min_tokens = int(params.min_tokens)  # stop strings count only after this many tokens
         self.stops: list[str] = [s for s in (params.stop or []) if s]
         context = [int(t) for t in list(prompt_token_ids)[-_PROMPT_CONTEXT_TOKENS:]]
         if context and self._decode(context).endswith(_REPLACEMENT):
@@ -123,7 +124,7 @@ class IncrementalDetokenizer:
     def _advance(self, new_text: str, final: bool) -> DetokenizerDelta:
         buf = self._pending + new_text
         self._pending = ""
-        if self.stops and new_text:
+        if self.stops and new_text and self.num_output_tokens > self.min_tokens:
             hit = self._find_stop(buf)
             if hit is not None:
                 end, start, s = hit

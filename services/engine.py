@@ -20,6 +20,7 @@ from common.model_config import ModelConfig
 from common.outputs import CompletionOutput, Logprob, RequestOutput
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_tokenizer
+from services.scheduler.admission import check_params_for_model, child_seed, validate_prompt
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import Scheduler, TokenEvent
 from services.scheduler.request import Request
@@ -45,37 +46,6 @@ def default_model_dir() -> Path:
 
             shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def child_seed(seed: int, index: int) -> int:
-    """Seed of sample `index` of a request: a fixed mix, so n > 1 samples differ but repeat."""
-    if index == 0:
-        return seed
-    x = (seed ^ (index * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-def validate_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
-    """Accept a string, a list of token ids or {"prompt_token_ids": [...]}; return (text, ids)."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-        elif "prompt" in prompt:
-            return validate_prompt(prompt["prompt"], tokenizer, vocab_size)
-        else:
-            raise InvalidRequest("a dict prompt needs 'prompt_token_ids' (a list of token ids) or 'prompt' (text)")
-    elif isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequest("the prompt is empty; send some text or token ids")
-        return prompt, tokenizer.encode(prompt)
-    else:
-        ids = prompt
-    if not isinstance(ids, (list, tuple)) or not ids:
-        raise InvalidRequest("prompt token ids must be a non-empty list of integers")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
-        raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size}) for this model")
-    return None, list(ids)
 
 
 @dataclass
@@ -128,6 +98,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = validate_prompt(prompt, self.tokenizer, self.model_cfg.vocab_size)
+        check_params_for_model(params, self.model_cfg.vocab_size)
         self.scheduler.check_prompt(len(ids))
         if request_id is None:
             request_id = str(self._next_id)
@@ -185,7 +156,9 @@ class LLMEngine:
             if comp.logprobs is not None and ev.logprobs is not None:
                 ids, lps, rank = ev.logprobs
                 comp.logprobs.append(make_logprobs_entry(ids, lps, rank, tr.params.logprobs, decode))
-            delta = tr.detoks[req.index].add_tokens([ev.token_id])
+            hidden_stop = (ev.finished and isinstance(req.stop_reason, int)
+                           and not tr.params.include_stop_str_in_output)  # vLLM leaves a stop token's text out
+            delta = tr.detoks[req.index].add_tokens([] if hidden_stop else [ev.token_id])
             finished = ev.finished
             if delta.stop_str is not None and not finished:
                 self.scheduler.finish_request(req.req_id, "stop", delta.stop_str)

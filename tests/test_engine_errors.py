@@ -195,11 +195,9 @@ def test_a_batch_with_one_bad_prompt_fails_before_any_work_and_engine_stays_usab
 
 
 # --------------------------------------------------------------------------------------------
-# known gaps (see the xfail reasons)
+# fixed gaps: each was a bug once
 
 
-@pytest.mark.xfail(strict=True, reason="stop_token_ids are not checked against the vocab: with min_tokens > 0 the "
-                   "sampler's ban (sampler.py sample(): x.index_put_) raises IndexError in the middle of a step")
 def test_stop_token_id_out_of_vocab_is_rejected_up_front():
     llm = LLM(str(model_dir(ARCH)), num_kv_blocks=64)
     with pytest.raises(InvalidRequest) as ei:
@@ -208,9 +206,6 @@ def test_stop_token_id_out_of_vocab_is_rejected_up_front():
     assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.generate leaves its requests in the engine when a step raises: they stay "
-                   "RUNNING with a token the worker never returns, so has_unfinished() stays true and the next "
-                   "generate() loops forever (policy.py schedule skips them as 'waiting on a token')")
 def test_an_exception_inside_a_step_leaves_the_engine_usable():
     llm = LLM(str(model_dir(ARCH)), num_kv_blocks=64)
     eng = llm.engine

@@ -188,8 +188,6 @@ def test_stop_token_ids_end_the_output_at_that_token(llm):
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", sampled[js])
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py _process feeds a stop token id to the detokenizer: its text "
-                   "stays in the output (vLLM drops it unless include_stop_str_in_output)")
 def test_stop_token_text_is_left_out_unless_include_stop_str(llm):
     prompt = PROMPTS[6]
     full = greedy_tokens(llm, prompt, 24)
@@ -325,9 +323,6 @@ def test_stop_strings_cut_the_text(llm):
     assert out.outputs[0].text == text and out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.xfail(strict=True, reason="stop strings are checked before min_tokens is reached: engine.py _process "
-                   "ends the request on delta.stop_str whatever min_tokens says (vLLM checks stop strings only once "
-                   "the output has more than min_tokens tokens)")
 def test_min_tokens_also_holds_against_stop_strings(llm):
     [full] = llm.generate(TEXT_PROMPT, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24))
     s, _ = _pick_stop_string(full.outputs[0].text)

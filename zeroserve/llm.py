@@ -48,11 +48,17 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generating", unit="req")
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                results[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:  # leave the engine usable: nothing of this batch stays queued
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]

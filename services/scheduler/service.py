@@ -32,7 +32,7 @@ from common.sampling_params import SamplingParams
 from common.step import to_message
 from common.tokenizer import load_tokenizer
 from common.transport import make_socket
-from services.engine import child_seed
+from services.scheduler.admission import check_params_for_model, child_seed
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import Scheduler as Policy
 from services.scheduler.policy import TokenEvent
@@ -117,6 +117,7 @@ class Seq:
     lp: list = field(default_factory=list)  # logprob rows of accepted tokens, (ids, lps, rank)
     chars: int = 0  # text characters delivered
     finish_reason: str | None = None  # set when the policy ended it; final Output pending
+    hide_last: bool = False  # it ended on a stop token whose text stays out of the output
     done: bool = False  # final Output sent
 
 
@@ -349,6 +350,7 @@ class SchedulerService:
         if len(ids) >= max_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but model {live.model!r} serves at most "
                                  f"{max_len} tokens in total (max_model_len); shorten the prompt")
+        check_params_for_model(live.params, vocab)
         live.prompt_ids = ids
         p = live.params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
@@ -615,6 +617,7 @@ class SchedulerService:
                 s.lp.append(ev.logprobs)
             if ev.finished:
                 s.finish_reason = ev.req.finish_reason
+                s.hide_last = isinstance(ev.req.stop_reason, int) and not live.params.include_stop_str_in_output
             t = self.detok_tokens.setdefault(ev.req.req_id, [0, None])
             t[0] += 1
             t[1] = s.finish_reason
@@ -661,7 +664,7 @@ class SchedulerService:
             out = s.req.output_token_ids
             new = out[s.sent:s.sent + count]
             ids.append(rid)
-            toks.append(new)
+            toks.append(new[:-1] if s.hide_last and reason is not None and new else new)
             reasons.append(reason)
             entry[rid] = (len(new), reason)
             s.sent += len(new)
