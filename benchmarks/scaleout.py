@@ -1,8 +1,9 @@
 """Scale-out: cluster throughput with 1 and with 2 worker groups, same seeded workload.
 
-    python benchmarks/scaleout.py                  # defaults below, ~2-3 min on 2 loaded CPU cores
+    python benchmarks/scaleout.py                  # ~32M-param model, 48 requests: ~2 min on 2 loaded cores
+    python benchmarks/scaleout.py --size default   # ~4M params: overhead-bound, ~40 s
     python benchmarks/scaleout.py --json           # also one BENCH_JSON {...} line
-    python benchmarks/scaleout.py --num-requests 64 --max-output 128 --size bench
+    python benchmarks/scaleout.py --num-requests 96 --max-output 128   # longer, steadier
 
 What it does: starts a real local cluster (tests/cluster.py LocalCluster: scheduler, detokenizer
 and tp=1 worker groups as separate processes on loopback, --threads per worker), with prefix
@@ -29,18 +30,26 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
 
-from benchmarks.common import (  # noqa: E402
-    Timer, Workload, bench_model_dir, contention_warning, environment, json_line, log, make_workload,
-    model_summary, print_table, token_id_limit,
+from benchmarks.common import (
+    Timer,
+    Workload,
+    bench_model_dir,
+    contention_warning,
+    environment,
+    json_line,
+    log,
+    make_workload,
+    model_summary,
+    print_table,
+    token_id_limit,
 )
 
-DEFAULTS = dict(num_requests=48, seed=0, min_prompt=16, max_prompt=128, min_output=16, max_output=64)
+DEFAULTS = {"num_requests": 48, "seed": 0, "min_prompt": 16, "max_prompt": 128, "min_output": 16, "max_output": 64}
 
 
 def parse_args(argv=None):
@@ -52,8 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-prompt", type=int, default=DEFAULTS["max_prompt"])
     ap.add_argument("--min-output", type=int, default=DEFAULTS["min_output"])
     ap.add_argument("--max-output", type=int, default=DEFAULTS["max_output"])
-    ap.add_argument("--size", default="default", choices=["tiny", "default", "bench"],
-                    help="random-weight model size (services.tiny_model SIZES; default ~4M params)")
+    ap.add_argument("--size", default="bench", choices=["tiny", "default", "bench"],
+                    help="random-weight model size (services.tiny_model SIZES; bench = ~32M params, default = ~4M)")
     ap.add_argument("--model-dir", default=None, help="an HF model directory instead of the generated one")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per worker")

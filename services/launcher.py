@@ -37,6 +37,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class Child:
     name: str
     argv: list[str]
+    role: str = "worker"  # scheduler | detokenizer | worker: the stop order depends on it
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     restarts: int = 0
@@ -64,8 +65,9 @@ def plan_children(args, model: str) -> list[Child]:
         sched.append("--no-prefix-caching")
     if args.max_model_len:
         sched += ["--max-model-len", str(args.max_model_len)]
-    children = [Child("scheduler", sched), Child("detokenizer", base + ["detokenizer", "--scheduler", sched_addr,
-                                                                       "--model", model])]
+    children = [Child("scheduler", sched, role="scheduler"),
+                Child("detokenizer", base + ["detokenizer", "--scheduler", sched_addr, "--model", model],
+                      role="detokenizer")]
     n_shards = args.workers * args.tp
     threads = args.threads or max(1, (os.cpu_count() or 1) // n_shards)
     for g in range(args.workers):
@@ -86,13 +88,17 @@ def plan_children(args, model: str) -> list[Child]:
 
 
 def stop_children(children: list[Child]) -> None:
-    """Workers first (they drain), then the detokenizer and scheduler; SIGKILL stragglers."""
-    workers = [c for c in children if c.name.startswith("worker")]
-    others = [c for c in children if not c.name.startswith("worker")]
+    """Workers first (SIGTERM: they drain and leave), then the detokenizer and the scheduler;
+    SIGKILL whatever does not exit in time. Safe to call twice."""
+    workers = [c for c in children if c.role == "worker"]
+    others = [c for c in children if c.role != "worker"]
     for batch, grace in ((workers, 8.0), (others, 5.0)):
         for c in batch:
             if c.alive():
-                c.proc.send_signal(signal.SIGTERM)
+                try:
+                    c.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + grace
         for c in batch:
             if c.proc is None:
@@ -101,19 +107,25 @@ def stop_children(children: list[Child]) -> None:
                 c.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 c.proc.kill()
-                c.proc.wait(timeout=5)
+                c.proc.wait(timeout=10)
 
 
-def wait_ready(address: str, groups: int, children: list[Child], timeout_s: float = READY_TIMEOUT_S) -> dict:
+def wait_ready(address: str, groups: int, children: list[Child], timeout_s: float = READY_TIMEOUT_S,
+               should_stop=lambda: False) -> dict | None:
+    """Poll the scheduler until `groups` groups and the detokenizer are ready. Returns None when
+    told to stop; raises when a child exits during start-up or time runs out."""
     from common.errors import ZeroserveError
     from zeroserve import Client
 
     deadline = time.monotonic() + timeout_s
     with Client(address, timeout_s=2.0) as c:
         while time.monotonic() < deadline:
+            if should_stop():
+                return None
             for ch in children:
-                if ch.name == "scheduler" and ch.proc is not None and ch.proc.poll() is not None:
-                    raise RuntimeError(f"the scheduler exited with code {ch.proc.returncode} during start-up")
+                if ch.proc is not None and ch.proc.poll() is not None:
+                    raise RuntimeError(f"{ch.name} exited with code {ch.proc.returncode} during start-up "
+                                       "(its log lines above say why)")
             try:
                 s = c.stats()
                 ready = sum(1 for g in s.get("groups", []) if g["state"] == "ready")
@@ -163,7 +175,8 @@ def main(args) -> int:
         for c in children[2:]:
             print(f"{c.name:<12} pid {c.proc.pid}  model {model}  device {args.device}", flush=True)
         try:
-            wait_ready(client_addr, args.workers, children)
+            if wait_ready(client_addr, args.workers, children, should_stop=lambda: stopping) is None:
+                return 0
         except (TimeoutError, RuntimeError) as e:
             print(f"zeroserve up: {e}", file=sys.stderr, flush=True)
             return 1

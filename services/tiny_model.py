@@ -24,7 +24,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import torch
 
 CORPUS_PATH = Path(__file__).with_name("tiny_corpus.txt")
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
@@ -184,7 +183,9 @@ def _hf_tensor_shapes(cfg: dict[str, Any], arch: str) -> list[tuple[str, tuple[i
     return out
 
 
-def random_weights(cfg: dict[str, Any], arch: str, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(cfg: dict[str, Any], arch: str, seed: int, dtype) -> dict[str, Any]:
+    import torch  # here, not at the top: the `zeroserve` CLI imports this module for its flags
+
     """Seeded random tensors for every checkpoint entry (see the init notes at the top)."""
     gen = torch.Generator().manual_seed(seed)
     tied = bool(cfg.get("tie_word_embeddings", False))
@@ -208,7 +209,7 @@ def random_weights(cfg: dict[str, Any], arch: str, seed: int, dtype: torch.dtype
     return tensors
 
 
-def write_weights(out_dir: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
+def write_weights(out_dir: Path, tensors: dict[str, Any], shards: int = 1) -> None:
     from safetensors.torch import save_file
 
     meta = {"format": "pt"}
@@ -293,6 +294,8 @@ def make_tiny_model(
     gen_cfg = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID] if arch.startswith("qwen") else EOS_ID,
                "pad_token_id": PAD_ID}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+
+    import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     full = dict(cfg)

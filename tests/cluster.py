@@ -19,7 +19,9 @@ running, and the module fixture `no_leftover_processes` fails the module that le
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import random
 import signal
 import subprocess
@@ -31,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from common.transport import free_port_block
-from services.launcher import Child
+from services.launcher import Child, stop_children
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,6 +64,8 @@ def tagged_processes(exclude: set[int] | frozenset[int] = frozenset()) -> list:
 def leftover_processes(before: set[int] | frozenset[int] = frozenset(), grace_s: float = 10.0) -> list[str]:
     """Tagged processes not in `before` still alive after up to `grace_s` (PDEATHSIG and
     SIGTERM handling take a moment); each as "pid cmdline"."""
+    import psutil
+
     deadline = time.monotonic() + grace_s
     while True:
         procs = tagged_processes(set(before))
@@ -70,10 +74,8 @@ def leftover_processes(before: set[int] | frozenset[int] = frozenset(), grace_s:
         time.sleep(0.2)
     out = []
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
             out.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
-        except Exception:  # noqa: BLE001 (gone meanwhile)
-            pass
     return out
 
 
@@ -88,10 +90,8 @@ def no_leftover_processes():
         import psutil
 
         for line in left:  # do not leak them into the rest of the session either
-            try:
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(int(line.split()[0])).kill()
-            except Exception:  # noqa: BLE001
-                pass
         pytest.fail("processes left running after the module: " + "; ".join(left), pytrace=False)
 
 
@@ -117,11 +117,11 @@ class LocalCluster:
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", *args]
 
-    def _start(self, name: str, argv: list[str]) -> Child:
+    def _start(self, name: str, argv: list[str], role: str = "worker") -> Child:
         log = open(self.logdir / f"{name}.log", "ab")
         self._logs.append(log)
-        child = Child(name, argv, env={"PYTHONPATH": str(REPO), "ZEROSERVE_LOG_LEVEL": "info",
-                                       "PYTHONUNBUFFERED": "1", SESSION_ENV: SESSION_TAG})
+        child = Child(name, argv, role=role, env={"PYTHONPATH": str(REPO), "ZEROSERVE_LOG_LEVEL": "info",
+                                                  "PYTHONUNBUFFERED": "1", SESSION_ENV: SESSION_TAG})
         env = dict(os.environ, **child.env)
         from services.launcher import _die_with_parent
 
@@ -134,10 +134,11 @@ class LocalCluster:
     def start_scheduler(self) -> Child:
         return self._start("scheduler", self._cmd(
             "scheduler", "--port", str(self.port), "--model", self.model, "--heartbeat-timeout", "3",
-            *self.scheduler_args))
+            *self.scheduler_args), role="scheduler")
 
     def start_detokenizer(self, name: str = "detokenizer") -> Child:
-        return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, "--model", self.model))
+        return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, "--model", self.model),
+                           role="detokenizer")
 
     def start_worker(self, group: str, rank: int = 0, tp: int | None = None, extra: list[str] | None = None) -> Child:
         tp = tp or self.tp
@@ -172,28 +173,12 @@ class LocalCluster:
     def stop(self) -> None:
         """Workers first (SIGTERM: they drain and leave), then the detokenizer and the scheduler;
         SIGKILL whatever does not exit in time. Idempotent."""
-        kids = list(self.children.values())
-        workers = [c for c in kids if c.name not in ("scheduler",) and not c.name.startswith("detokenizer")]
-        others = [c for c in kids if c not in workers]
-        for batch, grace in ((workers, 8.0), (others, 5.0)):
-            for c in batch:
-                if c.alive():
-                    try:
-                        c.proc.send_signal(signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + grace
-            for c in batch:
-                if c.proc is None:
-                    continue
-                try:
-                    c.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait(timeout=10)
+        stop_children(list(self.children.values()))
         for f in self._logs:
             f.close()
         self._logs = []
+        if not os.environ.get("ZEROSERVE_KEEP_LOGS"):  # set it to look at the logs afterwards
+            shutil.rmtree(self.logdir, ignore_errors=True)
 
     def logs(self) -> str:
         out = []

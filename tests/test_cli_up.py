@@ -1,13 +1,15 @@
 """`zeroserve up` as a user runs it: `python -m services.cli up ...` in a subprocess.
 
-Three launchers start together at the beginning of the module (their start-ups overlap, which
-saves a minute on a busy 2-core box):
+The launchers of the selected tests start together at the beginning of the module (their
+start-ups overlap, which saves a minute or two on a busy 2-core box):
 
 * A: `up --model <tiny llama>`: the ready line, `generate`, `status` (text and --json), then
   SIGINT: `up` exits 0 and none of its children survives;
 * B: `up` without --model and a private ZEROSERVE_CACHE: the built-in default model is created
   there and served; then SIGKILL of `up`: its children die with it (PR_SET_PDEATHSIG);
-* C: `up --demo PROMPT`: prints an answer and exits 0 by itself, children stopped.
+* C: `up --demo PROMPT`: prints an answer and exits 0 by itself, children stopped;
+* D: `up --dtype bogus`: the worker dies at start-up, so the cluster never gets ready; `up`
+  says so and stops (SIGINT meanwhile stops it too).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.cluster import free_port_block, no_leftover_processes  # noqa: E402,F401 (fixture)
-from tests.helpers import cached_model_dir  # noqa: E402
+from tests.cluster import free_port_block, no_leftover_processes  # noqa: F401 (fixture)
+from tests.helpers import cached_model_dir
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -52,10 +54,10 @@ class Up:
         self.port = args[args.index("--port") + 1]
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.stderr_path = (tmp or Path("/tmp")) / f"up-{name}-{os.getpid()}.stderr"
-        self._stderr = open(self.stderr_path, "wb")
+        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(CLI + ["up", *args], stdout=subprocess.PIPE, stderr=self._stderr, cwd=ROOT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 (prctl + setpgrp only)
         self.lines: list[str] = []
         self._cv = threading.Condition()
         self._eof = False
@@ -144,7 +146,7 @@ def wait_all_dead(pids, timeout: float = 20.0) -> list[int]:
 
 
 def cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, cwd=ROOT, timeout=timeout, check=False,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
@@ -161,18 +163,32 @@ def _common(port: int, kv: int = 128) -> list[str]:
     return ["--port", str(port), "--workers", "1", "--num-kv-blocks", str(kv), "--threads", "1"]
 
 
+_USES = {  # test -> the launcher it uses (only the launchers of selected tests are started)
+    "test_up_with_a_model_serves_and_sigint_stops_every_child": "A",
+    "test_up_without_a_model_creates_the_default_one_and_sigkill_leaves_no_orphans": "B",
+    "test_up_demo_prints_an_answer_and_exits_by_itself": "C",
+    "test_up_stops_on_sigint_while_a_failed_worker_keeps_it_from_ready": "D",
+}
+
+
 @pytest.fixture(scope="module")
-def ups(tmp_path_factory):
+def ups(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("up")
     model = str(cached_model_dir("llama"))
     cache = tmp / "zeroserve-cache"
-    pa, pb, pc = _ports(3)
+    wanted = {_USES[i.originalname] for i in request.session.items if i.originalname in _USES}
+    pa, pb, pc, pd = _ports(4)
     started: dict[str, Up] = {}
     try:
-        started["A"] = Up("A", ["--model", model, *_common(pa)], tmp=tmp)
-        started["B"] = Up("B", _common(pb), env={"ZEROSERVE_CACHE": str(cache)}, tmp=tmp)
-        started["C"] = Up("C", ["--model", model, *_common(pc, kv=64), "--demo", "Hello cluster"], tmp=tmp)
-        started["B"].cache = cache
+        if "A" in wanted:
+            started["A"] = Up("A", ["--model", model, *_common(pa)], tmp=tmp)
+        if "B" in wanted:
+            started["B"] = Up("B", _common(pb), env={"ZEROSERVE_CACHE": str(cache)}, tmp=tmp)
+            started["B"].cache = cache
+        if "C" in wanted:
+            started["C"] = Up("C", ["--model", model, *_common(pc, kv=64), "--demo", "Hello cluster"], tmp=tmp)
+        if "D" in wanted:  # the worker exits at once (bad --dtype): the cluster never gets ready
+            started["D"] = Up("D", ["--model", model, *_common(pd, kv=64), "--dtype", "bogus"], tmp=tmp)
         yield started
     finally:
         for u in started.values():
@@ -247,9 +263,11 @@ def test_up_with_a_model_serves_and_sigint_stops_every_child(ups):
     u.wait_line(r"^stopped\.$", timeout=10)
     left = wait_all_dead(u.child_pids, timeout=5)
     assert not left, f"children of up survived SIGINT: {left}"
-    # and the address is free again: status cannot reach anyone
-    r = cli("status", "--address", u.address, "--timeout", "1")
-    assert r.returncode == 1 and "no answer" in r.stderr.lower(), (r.returncode, r.stderr)
+    # and nobody answers at the address any more
+    from zeroserve import Client, ClusterUnavailable
+
+    with Client(u.address, timeout_s=1.0) as c, pytest.raises(ClusterUnavailable):
+        c.health()
 
 
 @pytest.mark.timeout(600)
@@ -289,3 +307,20 @@ def test_up_demo_prints_an_answer_and_exits_by_itself(ups):
     u.wait_line(r"^stopped\.$", timeout=10)
     left = wait_all_dead(u.child_pids, timeout=5)
     assert not left, f"children of up --demo survived: {left}"
+
+
+@pytest.mark.timeout(600)
+def test_up_stops_on_sigint_while_a_failed_worker_keeps_it_from_ready(ups):
+    u = ups["D"]
+    pids = _printed_pids(u)
+    u.children()
+    assert not wait_all_dead([pids["worker"]], timeout=READY_TIMEOUT_S), "the worker with --dtype bogus still runs"
+    u.proc.send_signal(signal.SIGINT)
+    try:
+        u.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        u.proc.kill()  # do not make the teardown wait for it
+        u.proc.wait(timeout=10)
+        raise AssertionError(f"up did not stop within 20s of SIGINT during start-up\n{u.output()}") from None
+    left = wait_all_dead(u.child_pids, timeout=10)
+    assert not left, f"children of up survived: {left}"

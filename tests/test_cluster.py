@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.cluster import LocalCluster, no_leftover_processes  # noqa: E402,F401 (fixture)
-from tests.helpers import cached_model_dir, torch_single_thread  # noqa: E402,F401 (fixture)
+from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
+from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes", "torch_single_thread")
 

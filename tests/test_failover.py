@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.cluster import LocalCluster  # noqa: E402
-from tests.helpers import cached_model_dir, torch_single_thread  # noqa: E402,F401 (fixture)
+from tests.cluster import LocalCluster
+from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -146,7 +146,7 @@ class Run:
         async with AsyncClient(self.cluster.address, timeout_s=self.timeout_s) as c:
             await asyncio.gather(*(self._one(c, i) for i in self.indices))
 
-    def run(self) -> "Run":
+    def run(self) -> Run:
         asyncio.run(self._main())
         return self
 
@@ -255,9 +255,6 @@ def test_detokenizer_restart_midrun(cluster, workload):
     Run(cluster, workload, indices=range(0, N_REQUESTS, 8)).run().check()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: detokenizer replay loses the text offset when the replayed tokens "
-                   "end inside a multi-byte character (services/detokenizer/service.py, DetokNew replay): "
-                   "text already delivered is emitted again")
 def test_detokenizer_restart_texts(cluster, workload):
     run = _DETOK_RUN.get("run")
     if run is None:
@@ -269,7 +266,7 @@ def test_sigterm_drains_worker(cluster, workload):
     victim = {}
 
     def drain():
-        groups = _groups_nowait(cluster)
+        groups = _groups(cluster)  # a blocking Client on its own thread: fine from the Run's loop
         busy = [g for g in groups.values() if g["state"] == "ready" and g["running"] > 0] or list(groups.values())
         name = busy[0]["name"]
         victim.update(name=name, running=busy[0]["running"], tokens=busy[0]["tokens"])
@@ -289,11 +286,6 @@ def test_sigterm_drains_worker(cluster, workload):
         log = f.read().decode(errors="replace")
     gone = [line for line in log.splitlines() if "group gone" in line]
     assert len(gone) == 1 and f"group={name}" in gone[0] and "reason=drained" in gone[0], log
-
-
-def _groups_nowait(cluster: LocalCluster) -> dict[str, dict]:
-    # called from the Run's event loop: a blocking Client on its own thread is fine here
-    return _groups(cluster)
 
 
 def test_scheduler_restart(cluster, workload):
@@ -340,9 +332,6 @@ def test_scheduler_restart(cluster, workload):
 _RESTART: dict = {}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: after a scheduler restart the detokenizer re-joins once per heartbeat "
-                   "it queued while the scheduler was down (1 s each, every join replays, DetokTokens dropped "
-                   "meanwhile): requests stall for about the downtime (services/detokenizer/service.py _hello)")
 def test_scheduler_restart_rejoin_is_prompt(cluster):
     if not _RESTART:
         pytest.skip("the scheduler restart test did not get that far")

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.cluster import LocalCluster  # noqa: E402
-from tests.helpers import cached_model_dir, random_prompt  # noqa: E402
+from tests.cluster import LocalCluster
+from tests.helpers import cached_model_dir, random_prompt
 
 BLOCK = 16
 SHARED = 6 * BLOCK  # shared prefix: six full blocks

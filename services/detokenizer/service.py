@@ -40,6 +40,8 @@ class DetokenizerService:
         self.default = next(iter(self.tokenizers), None)
         self.hb_interval = heartbeat_interval_s
         self.states: dict[str, IncrementalDetokenizer] = {}
+        self.skip: dict[str, int] = {}  # replayed requests: chars the client already has
+        self.owed: dict[str, str] = {}  # replayed requests: text released but never delivered
         self.stop = threading.Event()
 
     def _tokenizer(self, params: SamplingParams):
@@ -51,7 +53,8 @@ class DetokenizerService:
 
     def run(self) -> int:
         ctx = zmq.Context()
-        sock = make_socket(ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id)
+        # IMMEDIATE: no heartbeats pile up while the scheduler is away (each would be refused later)
+        sock = make_socket(ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id, immediate=True)
         try:
             self._hello(sock)
             last_hb = 0.0
@@ -59,8 +62,11 @@ class DetokenizerService:
                 now = time.monotonic()
                 if now - last_hb >= self.hb_interval:
                     last_hb = now
-                    sock.send_multipart(P.encode(P.Heartbeat(worker_id=self.worker_id,
-                                                             stats={"live": len(self.states)})), zmq.NOBLOCK)
+                    try:
+                        sock.send_multipart(P.encode(P.Heartbeat(worker_id=self.worker_id,
+                                                                 stats={"live": len(self.states)})), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # not connected: nobody to tell
                 if not sock.poll(int(self.hb_interval * 1000)):
                     continue
                 for _ in range(1000):
@@ -104,11 +110,28 @@ class DetokenizerService:
                     if msg.accepted:
                         log.info("connected", scheduler=msg.scheduler_id)
                         return
+                    if msg.reason.startswith("unknown worker"):
+                        continue  # the answer to a heartbeat sent before this HELLO
                     log.warning("refused by the scheduler", reason=msg.reason)
                     time.sleep(1.0)
                     break
-                if isinstance(msg, P.DetokNew):  # replay may race the welcome
-                    self.handle(msg)
+                if isinstance(msg, (P.DetokNew, P.DetokTokens, P.DetokFree)):  # from before a restart
+                    reply = self.handle(msg)
+                    if reply is not None:
+                        sock.send_multipart(P.encode(reply))
+
+    def _reconcile(self, rid: str, text: str) -> str:
+        if rid in self.owed:
+            text = self.owed.pop(rid) + text
+        n = self.skip.get(rid)
+        if n:
+            cut = min(n, len(text))
+            text = text[cut:]
+            if n - cut:
+                self.skip[rid] = n - cut
+            else:
+                del self.skip[rid]
+        return text
 
     def handle(self, msg):
         """Apply one message; returns the reply to send (or a refusal meaning 'say hello again')."""
@@ -121,10 +144,14 @@ class DetokenizerService:
                     log.warning("cannot detokenize request", req=item.req_id, reason=str(e))
                     continue
                 if len(item.output_token_ids):
-                    det.add_tokens(item.output_token_ids.tolist())  # replay: text already delivered
-                    if len(det.text) != item.text_offset:
-                        log.warning("replayed text length differs", req=item.req_id, have=len(det.text),
-                                    expected=item.text_offset)
+                    # replay: the client already has `text_offset` chars. Fed in one go, the decoder
+                    # may hold back a different amount than it did token by token; reconcile.
+                    det.add_tokens(item.output_token_ids.tolist())
+                    gap = item.text_offset - len(det.text)
+                    if gap > 0:
+                        self.skip[item.req_id] = gap
+                    elif gap < 0:
+                        self.owed[item.req_id] = det.text[item.text_offset:]
                 self.states[item.req_id] = det
             return None
         if isinstance(msg, P.DetokTokens):
@@ -138,8 +165,11 @@ class DetokenizerService:
                 stop = delta.stop_str if delta else None
                 if stop is None and reason is not None:
                     text += det.finish()
+                text = self._reconcile(rid, text)
                 if stop is not None or reason is not None:
                     del self.states[rid]
+                    self.skip.pop(rid, None)
+                    self.owed.pop(rid, None)
                 ids.append(rid)
                 texts.append(text)
                 stops.append(stop)
@@ -147,6 +177,8 @@ class DetokenizerService:
         if isinstance(msg, P.DetokFree):
             for rid in msg.req_ids:
                 self.states.pop(rid, None)
+                self.skip.pop(rid, None)
+                self.owed.pop(rid, None)
             return None
         if isinstance(msg, P.Welcome) and not msg.accepted:
             return msg

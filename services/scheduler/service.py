@@ -422,55 +422,56 @@ class SchedulerService:
 
     # ================================================================ workers and detokenizer
     def _on_backend(self, ident: bytes, msg) -> None:
+        """Messages that name a worker count only from that worker's own connection."""
         now = time.monotonic()
-        if isinstance(msg, P.StepResult):
-            self._on_step_result(msg)
-        elif isinstance(msg, P.DetokOutputs):
+        if isinstance(msg, P.Hello):
+            return self._on_hello(ident, msg, now)
+        if isinstance(msg, P.Error):
+            return log.warning("peer reported an error", code=msg.code, message=msg.message)
+        if isinstance(msg, P.DetokOutputs):
+            if ident != self.detok:
+                raise InvalidRequest("DetokOutputs comes from a connection that is not the detokenizer's")
             self.detok_last_seen = now
-            self._on_detok_outputs(msg)
-        elif isinstance(msg, P.Heartbeat):
-            if msg.worker_id == self.detok_id:
-                self.detok_last_seen = now
-                return
-            shard = self._shard(msg.worker_id)
-            if shard is not None:
-                shard.last_seen = now
-                shard.stats = msg.stats
-            else:  # we restarted, or gave its group up: it must join again
+            return self._on_detok_outputs(msg)
+        if not isinstance(msg, (P.StepResult, P.Heartbeat, P.ProbeAck, P.Drain, P.Goodbye, P.WorkerError)):
+            raise InvalidRequest(f"{type(msg).__name__} is not a worker message")
+        if msg.worker_id == self.detok_id and self.detok_id is not None:
+            if ident != self.detok:
+                raise InvalidRequest(f"{type(msg).__name__} for detokenizer {msg.worker_id!r} from another connection")
+            self.detok_last_seen = now
+            if isinstance(msg, P.Goodbye):
+                self.detok, self.detok_id = None, None
+            return
+        shard = self._shard(msg.worker_id)
+        if shard is None:
+            if isinstance(msg, P.Heartbeat):  # we restarted, or gave its group up: it must join again
                 self._send(self.backend, ident, P.Welcome(accepted=False, scheduler_id=self.id,
                                                           reason="unknown worker: say HELLO again"))
+            return  # a late message from a worker we already let go
+        own = ident == shard.identity or (isinstance(msg, P.Heartbeat) and ident == f"{msg.worker_id}-hb".encode())
+        if not own:
+            raise InvalidRequest(f"{type(msg).__name__} names worker {msg.worker_id!r} but comes from another connection")
+        g = self._group_of(msg.worker_id)
+        shard.last_seen = now
+        if isinstance(msg, P.StepResult):
+            self._on_step_result(msg)
+        elif isinstance(msg, P.Heartbeat):
+            shard.stats = msg.stats
         elif isinstance(msg, P.ProbeAck):
-            shard = self._shard(msg.worker_id)
-            g = self._group_of(msg.worker_id)
-            if shard is not None and g is not None and msg.probe_id == g.probe_id:
+            if msg.probe_id == g.probe_id:
                 shard.probe_acked = True
-                shard.last_seen = now
                 if g.state == GroupState.PROBING and all(s.probe_acked for s in g.shards.values()):
                     self._group_ready(g)
-        elif isinstance(msg, P.Hello):
-            self._on_hello(ident, msg, now)
         elif isinstance(msg, P.Drain):
-            g = self._group_of(msg.worker_id)
-            if g is not None and g.state in (GroupState.READY, GroupState.PROBING, GroupState.JOINING):
+            if g.state in (GroupState.READY, GroupState.PROBING, GroupState.JOINING):
                 log.info("group draining", group=g.name, worker=msg.worker_id)
                 g.state = GroupState.DRAINING
                 g.drain_started = now
         elif isinstance(msg, P.Goodbye):
-            if msg.worker_id == self.detok_id:
-                self.detok, self.detok_id = None, None
-                return
-            g = self._group_of(msg.worker_id)
-            if g is not None:
-                self._group_gone(g, f"worker {msg.worker_id} left: {msg.reason}")
+            self._group_gone(g, f"worker {msg.worker_id} left: {msg.reason}")
         elif isinstance(msg, P.WorkerError):
-            g = self._group_of(msg.worker_id)
             log.error("worker error", worker=msg.worker_id, seq=msg.seq, message=msg.message)
-            if g is not None:
-                self._group_gone(g, f"worker {msg.worker_id} failed: {msg.message}")
-        elif isinstance(msg, P.Error):
-            log.warning("peer reported an error", code=msg.code, message=msg.message)
-        else:
-            raise InvalidRequest(f"{type(msg).__name__} is not a worker message")
+            self._group_gone(g, f"worker {msg.worker_id} failed: {msg.message}")
 
     def _shard(self, worker_id: str) -> Shard | None:
         loc = self.shard_of.get(worker_id)
@@ -505,6 +506,9 @@ class SchedulerService:
         if h.worker_id in self.shard_of:
             old = self._group_of(h.worker_id)
             shard = self._shard(h.worker_id)
+            if shard is not None and shard.identity != ident and old.state != GroupState.GONE:
+                return self._refuse(ident, f"worker id {h.worker_id!r} is already connected from another "
+                                           "connection; give each worker a unique --worker-id")
             if old is not None and old.state in (GroupState.JOINING, GroupState.PROBING) and shard is not None:
                 shard.identity, shard.last_seen, shard.welcomed = ident, now, False  # a repeated HELLO
                 self._welcome_ready(old)
@@ -589,6 +593,8 @@ class SchedulerService:
         g = self._group_of(m.worker_id)
         if g is None or g.in_flight is None or g.in_flight[0] != m.seq or g.policy is None:
             return  # a late answer from a group we gave up on
+        if self.shard_of[m.worker_id][1] != 0:
+            raise InvalidRequest("only rank 0 of a group answers steps")
         _, so, _sent_at = g.in_flight
         g.in_flight = None
         shard = self._shard(m.worker_id)
@@ -828,6 +834,7 @@ class SchedulerService:
                 "workers": [{
                     "worker_id": s.hello.worker_id, "rank": r, "pid": s.hello.pid, "host": s.hello.host,
                     "device": s.hello.device, "kv_blocks": s.hello.num_kv_blocks,
+                    **{k: v for k, v in s.hello.memory.items() if isinstance(v, (int, float))},
                     "heartbeat_age_s": round(now - s.last_seen, 3), **{f"w_{k}": v for k, v in s.stats.items()},
                 } for r, s in sorted(g.shards.items())],
             })

@@ -74,6 +74,7 @@ class WorkerService:
         self.stopped = threading.Event()  # the process is ending: background threads stop
         self.rejoin = threading.Event()
         self.joined = threading.Event()  # refusals before our first WELCOME mean nothing
+        self.joined_at = 0.0
         self.rejoin_seen = threading.Event()
         self.steps_done = 0
         self.tokens_done = 0
@@ -132,6 +133,7 @@ class WorkerService:
                     sub = make_socket(self.ctx, zmq.SUB, connect=step_addr, subscribe=P.group_topic(self.group))
                     log.info("welcomed", group=self.group, step_addr=step_addr, scheduler=msg.scheduler_id)
                     self.rejoin.clear()
+                    self.joined_at = time.monotonic()
                     self.joined.set()
                     return sub
             log.info("no answer from the scheduler yet; saying hello again", scheduler=self.scheduler_addr)
@@ -144,7 +146,9 @@ class WorkerService:
 
     # ------------------------------------------------------------------ heartbeats
     def _heartbeat_loop(self) -> None:
-        hb = make_socket(self.ctx, zmq.DEALER, connect=self.scheduler_addr, identity=f"{self.worker_id}-hb")
+        # IMMEDIATE: no heartbeats pile up while the scheduler is away (each would be refused later)
+        hb = make_socket(self.ctx, zmq.DEALER, connect=self.scheduler_addr, identity=f"{self.worker_id}-hb",
+                         immediate=True)
         try:
             while not self.stopped.is_set():
                 try:
@@ -157,7 +161,8 @@ class WorkerService:
                         msg = P.decode(hb.recv_multipart())
                     except P.ProtocolError:
                         continue
-                    if isinstance(msg, P.Welcome) and not msg.accepted and self.joined.is_set():
+                    stale = time.monotonic() - self.joined_at < 3 * self.hb_interval  # sent before we joined
+                    if isinstance(msg, P.Welcome) and not msg.accepted and self.joined.is_set() and not stale:
                         self.joined.clear()
                         self.rejoin.set()
                         # a shard stuck in a collective never sees the flag: leave so a supervisor restarts us
