@@ -186,6 +186,16 @@ class LocalCluster:
             out.append(f"===== {p.name}\n{p.read_text(errors='replace')[-4000:]}")
         return "\n".join(out)
 
+    @contextlib.contextmanager
+    def running(self, groups: int | None = None, timeout: float = 180.0):
+        """Start, wait until `groups` groups are ready, yield, always stop (module fixtures)."""
+        try:
+            self.start()
+            self.wait_ready(groups, timeout=timeout)
+            yield self
+        finally:
+            self.stop()
+
     def __enter__(self) -> "LocalCluster":
         try:
             return self.start()

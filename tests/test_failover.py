@@ -75,13 +75,8 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir):
-    c = LocalCluster(model_dir, workers=2, num_kv_blocks=256)
-    try:
-        c.start()
-        c.wait_ready(groups=2, timeout=180)
+    with LocalCluster(model_dir, workers=2, num_kv_blocks=256).running(groups=2) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,8 @@ def _params(n: int = 4):
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = LocalCluster(cached_model_dir("llama"), workers=2, num_kv_blocks=256)
-    try:
-        c.start()
-        c.wait_ready(groups=2, timeout=180)
+    with LocalCluster(cached_model_dir("llama"), workers=2, num_kv_blocks=256).running(groups=2) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

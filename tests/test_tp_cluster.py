@@ -53,13 +53,8 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir):
-    c = LocalCluster(model_dir, workers=1, tp=2, num_kv_blocks=128)
-    try:
-        c.start()
-        c.wait_ready(groups=1, timeout=180)
+    with LocalCluster(model_dir, workers=1, tp=2, num_kv_blocks=128).running(groups=1) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
