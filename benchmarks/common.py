@@ -293,6 +293,14 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def loadavg() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def contention_warning(info: dict[str, Any]) -> str | None:
     """A line to print when other processes compete for the cores (numbers then swing a lot)."""
     load, cores = info.get("loadavg_1m"), info.get("cpu_count") or 1

@@ -41,7 +41,7 @@ sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() !=
 
 from benchmarks.common import (  # noqa: E402
     Timer, Workload, apply_omp_wait_policy, bench_model_dir, contention_warning, environment, json_line, log,
-    make_workload, model_summary, print_table, set_threads, token_id_limit,
+    loadavg, make_workload, model_summary, print_table, set_threads, token_id_limit,
 )
 
 DEFAULT_NUM_REQUESTS = 64  # two full HF batches; ~3 min in all on 2 CPU cores. 128 = the full run (~6 min)
@@ -208,8 +208,10 @@ def main(argv=None) -> int:
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
 
+        loads = {"start": env.get("loadavg_1m")}
         log("running zeroserve ...")
         ours = run_ours(model_dir, wl, engine_args)
+        loads["after zeroserve"] = loadavg()
         n_tok = wl.total_output_tokens
         bad_len = [i for i, (t, n) in enumerate(zip(ours["tokens"], wl.output_lens)) if len(t) != n]
         log(f"  zeroserve: {ours['wall']:.1f}s wall, {n_tok / ours['wall']:.1f} tok/s")
@@ -222,6 +224,7 @@ def main(argv=None) -> int:
         if not args.skip_hf:
             log(f"running transformers (static batches of {args.hf_batch_size}) ...")
             hf = run_hf(model_dir, wl, args.hf_batch_size)
+            loads["after transformers"] = loadavg()
             log(f"  transformers: {hf['wall']:.1f}s wall, {n_tok / hf['wall']:.1f} tok/s")
             batched_agree = sum(a == b for a, b in zip(ours["tokens"], hf["tokens"]))
             checked = check_indices(len(wl), args.check)
@@ -258,6 +261,12 @@ def main(argv=None) -> int:
               + ("" if not mismatches else "; first differing token per mismatch: "
                  + ", ".join(f"req {i} @ {d}" for i, d in mismatches)))
         print(f"info: {batched_agree}/{len(wl)} requests identical to HF's padded static-batch output")
+    print("1-min load average: " + ", ".join(f"{k} {v}" for k, v in loads.items()))
+    busy = [v for v in loads.values() if v is not None and v > 0.5 * (env.get("cpu_count") or 1)]
+    if busy:
+        print(f"WARNING: other processes loaded the CPUs during the run (load up to {max(busy)} on "
+              f"{env.get('cpu_count')} cores): the wall-clock ratio is unreliable; rerun on a quiet machine "
+              "(the CPU-time ratio is steadier)")
     if bad_len:
         print(f"ERROR: {len(bad_len)} zeroserve outputs have the wrong length (e.g. request {bad_len[0]})")
     print(f"zeroserve: {ours['steps']} steps, {ours['computed_tokens']} tokens computed, "
@@ -273,7 +282,7 @@ def main(argv=None) -> int:
             "ratio": round(ratio, 3) if ratio else None, "cpu_ratio": round(cpu_ratio, 3) if cpu_ratio else None,
             "check_matched": len(checked) - len(mismatches), "check_total": len(checked),
             "hf_batched_identical": batched_agree, "ours_steps": ours["steps"],
-            "runtime_s": round(t_total.wall, 1), "env": env, "model": summary,
+            "runtime_s": round(t_total.wall, 1), "env": env, "model": summary, "loadavg": loads,
         })
     return 1 if (mismatches or bad_len) else 0
 

@@ -114,7 +114,9 @@ def _workspace(slot: str, numel: int, dtype: torch.dtype, device: torch.device) 
     bufs = getattr(_WS, "bufs", None)
     if bufs is None:
         bufs = _WS.bufs = {}
-    key = (slot, dtype, device)
+    # a buffer made under torch.inference_mode cannot be written outside it (and vice versa is
+    # allowed but would leak autograd-tracked tensors into inference): one buffer per mode
+    key = (slot, dtype, device, torch.is_inference_mode_enabled())
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
