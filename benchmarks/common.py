@@ -215,17 +215,34 @@ def make_workload(num_requests: int = 128, seed: int = 0, min_prompt: int = 16, 
 
 # -------------------------------------------------------------------------------------- timing
 
+def system_busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (all cores; Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
+    busy = sum(vals[:8]) - vals[3] - (vals[4] if len(vals) > 4 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 class Timer:
     """Wall and process-CPU time of a block: `with Timer() as t: ...; t.wall, t.cpu`.
 
     On a shared machine the CPU time (all threads of this process) is the steadier figure;
-    cpu / wall near the thread count means the threads were busy, far below means waiting."""
+    cpu / wall near the thread count means the threads were busy, far below means waiting.
+    `t.others_cpu` is the CPU time every other process on the machine used meanwhile (Linux;
+    None elsewhere): more than a few percent of wall x cores means the figures are disturbed.
+    Child processes count as "others" (for cluster benchmarks that is their own work)."""
 
     def __init__(self) -> None:
         self.wall = 0.0
         self.cpu = 0.0
+        self.others_cpu: float | None = None
 
     def __enter__(self) -> "Timer":
+        self._s = system_busy_seconds()
         self._w = time.perf_counter()
         self._c = time.process_time()
         return self
@@ -233,16 +250,26 @@ class Timer:
     def __exit__(self, *exc) -> None:
         self.wall = time.perf_counter() - self._w
         self.cpu = time.process_time() - self._c
+        end = system_busy_seconds()
+        if self._s is not None and end is not None:
+            self.others_cpu = max(0.0, end - self._s - self.cpu)
+
+    def others_share(self) -> float | None:
+        """others_cpu as a fraction of the machine's capacity over the block (0..1)."""
+        if self.others_cpu is None or self.wall <= 0:
+            return None
+        return self.others_cpu / (self.wall * (os.cpu_count() or 1))
 
 
 def apply_omp_wait_policy(mode: str = "auto") -> str:
     """Choose OpenMP's wait policy; call before torch is imported (libgomp reads it once).
 
-    With every core busy elsewhere, torch's default spinning OpenMP threads slow down small
-    (decode-sized) ops 5-8x on a 2-core box (measured: a [16,512]x[512,2816] linear went from
-    1.2 ms to 8.6 ms). "auto" sets OMP_WAIT_POLICY=PASSIVE only when the 1-min load average is
-    above half the core count and the user has not set it; "passive"/"active" force it; "env"
-    leaves the environment alone. Returns what is in effect, for the report."""
+    With the cores shared with other processes, torch's default spinning OpenMP threads slow
+    down small (decode-sized) ops 5-8x on a 2-core box (measured: a [16,512]x[512,2816] linear
+    went from 1.2 ms to 8.6 ms; the whole engine from 77 to 21 tok/s). "passive"/"active" set
+    OMP_WAIT_POLICY; "auto" sets PASSIVE only when the 1-min load average is above half the core
+    count at the start and the user has not set it; "env" leaves the environment alone. Returns
+    what is in effect, for the report."""
     if mode not in ("auto", "passive", "active", "env"):
         raise ValueError(f"omp wait policy must be auto, passive, active or env, got {mode!r}")
     current = os.environ.get("OMP_WAIT_POLICY")

@@ -73,6 +73,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def needs_step(self) -> bool:
+        """Work to run, or worker-side state to drop."""
+        return bool(self.waiting or self.running or self._dropped)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -741,7 +741,7 @@ class SchedulerService:
     def _dispatch(self, g: Group) -> None:
         if g.in_flight is not None or g.policy is None or g.state not in (GroupState.READY, GroupState.DRAINING):
             return
-        if not g.policy.has_work() and not g.policy._dropped:
+        if not g.policy.needs_step():
             return
         so = g.policy.schedule()
         if so.empty and not so.finished_req_ids:
