@@ -156,8 +156,7 @@ class LLMEngine:
             if comp.logprobs is not None and ev.logprobs is not None:
                 ids, lps, rank = ev.logprobs
                 comp.logprobs.append(make_logprobs_entry(ids, lps, rank, tr.params.logprobs, decode))
-            hidden_stop = (ev.finished and isinstance(req.stop_reason, int)
-                           and not tr.params.include_stop_str_in_output)  # vLLM leaves a stop token's text out
+            hidden_stop = ev.finished and req.hides_stop_token_text
             delta = tr.detoks[req.index].add_tokens([] if hidden_stop else [ev.token_id])
             finished = ev.finished
             if delta.stop_str is not None and not finished:

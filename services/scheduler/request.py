@@ -65,6 +65,11 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def hides_stop_token_text(self) -> bool:
+        """It ended on a stop token id whose text stays out of the output (vLLM's rule)."""
+        return isinstance(self.stop_reason, int) and not self.params.include_stop_str_in_output
+
+    @property
     def finished(self) -> bool:
         return self.status == Status.FINISHED
 

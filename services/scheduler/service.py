@@ -32,7 +32,7 @@ from common.sampling_params import SamplingParams
 from common.step import to_message
 from common.tokenizer import load_tokenizer
 from common.transport import make_socket
-from services.scheduler.admission import check_params_for_model, child_seed
+from services.scheduler.admission import check_params_for_model, check_token_ids, child_seed
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import Scheduler as Policy
 from services.scheduler.policy import TokenEvent
@@ -344,8 +344,7 @@ class SchedulerService:
         vocab = info.cfg.vocab_size
         if not ids:
             raise InvalidRequest("the prompt is empty; send some text or token ids")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab}) for model {live.model!r}")
+        check_token_ids(ids, vocab, "prompt token ids")
         max_len = self._max_model_len(live.model)
         if len(ids) >= max_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but model {live.model!r} serves at most "
@@ -623,7 +622,7 @@ class SchedulerService:
                 s.lp.append(ev.logprobs)
             if ev.finished:
                 s.finish_reason = ev.req.finish_reason
-                s.hide_last = isinstance(ev.req.stop_reason, int) and not live.params.include_stop_str_in_output
+                s.hide_last = ev.req.hides_stop_token_text
             t = self.detok_tokens.setdefault(ev.req.req_id, [0, None])
             t[0] += 1
             t[1] = s.finish_reason
