@@ -187,3 +187,34 @@ def run_step(model, kv: PagedKV, items: Sequence[tuple[Any, Sequence[int]]], all
 def random_prompt(n: int, vocab: int = 512, seed: int = 0, low: int = 3) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab, (n,), generator=g).tolist()
+
+
+# Greedy decoding is only reproducible across batch shapes where the best token wins clearly:
+# a different batch (or a recompute after a failover, or a prefix-cache hit) sums fp32 in
+# another order, and a near-tie between the top two logits can flip. Tests that compare greedy
+# runs made under different batching keep only requests whose every choice has a margin.
+TIE_MARGIN = 1e-3
+
+
+def greedy_margin(completion) -> float:
+    """Smallest gap between the best and the second-best logprob along a greedy completion
+    (generated with ``logprobs >= 1`` so each step lists at least two candidates)."""
+    gaps = []
+    for step in completion.logprobs:
+        top = sorted((lp.logprob for lp in step.values()), reverse=True)
+        gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return min(gaps, default=float("inf"))
+
+
+def tie_free(model_dir, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], keep: int,
+             **engine_args) -> list[tuple[int, Any]]:
+    """(index, RequestOutput) of the first ``keep`` prompts whose greedy completions (ignore_eos)
+    have no near-tie; the outputs serve as references."""
+    from zeroserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), **engine_args)
+    outs = llm.generate([list(p) for p in prompts],
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens])
+    good = [(i, o) for i, o in enumerate(outs) if greedy_margin(o.outputs[0]) >= TIE_MARGIN]
+    assert len(good) >= keep, f"only {len(good)} of {len(prompts)} prompts are free of near-ties; draw more"
+    return good[:keep]

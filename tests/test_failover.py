@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.cluster import LocalCluster
-from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
+from tests.helpers import cached_model_dir, tie_free, torch_single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -82,15 +82,14 @@ def cluster(model_dir):
 @pytest.fixture(scope="module")
 def workload(model_dir) -> Workload:
     """64 seeded requests (prompts 2-90 tokens, 16-32 output tokens) and their reference outputs."""
-    from zeroserve import LLM
-
     rng = random.Random(1234)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 90))] for _ in range(N_REQUESTS)]
-    wl = Workload(prompts, [rng.randint(16, 32) for _ in range(N_REQUESTS)])
-    llm = LLM(str(model_dir), num_kv_blocks=256)
-    outs = llm.generate(prompts, [wl.params(i) for i in range(N_REQUESTS)])
-    wl.ref_tokens = [list(o.outputs[0].token_ids) for o in outs]
-    wl.ref_text = [o.outputs[0].text for o in outs]
+    n_draw = N_REQUESTS + 16  # a recompute on another group must not meet a near-tie
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 90))] for _ in range(n_draw)]
+    max_tokens = [rng.randint(16, 32) for _ in range(n_draw)]
+    kept = tie_free(model_dir, prompts, max_tokens, N_REQUESTS, num_kv_blocks=256)
+    wl = Workload([prompts[i] for i, _ in kept], [max_tokens[i] for i, _ in kept])
+    wl.ref_tokens = [list(o.outputs[0].token_ids) for _, o in kept]
+    wl.ref_text = [o.outputs[0].text for _, o in kept]
     assert all(len(t) == n for t, n in zip(wl.ref_tokens, wl.max_tokens))
     return wl
 
