@@ -182,6 +182,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model-seed", type=int, default=0, help="weights seed of the bench model")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine arg passed to LLM(...)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine arg passed to LLM(...)")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"],
+                    help="engine arg passed to LLM(...) (auto = cpu here: compiled decode attention)")
+    ap.add_argument("--also-backend", default=None, choices=["cpu", "torch"],
+                    help="also run our engine with this attention backend in the same run (a side-by-side "
+                         "row; the ratio vs HF stays the first one's)")
     ap.add_argument("--json", action="store_true", help="also print one BENCH_JSON {...} line")
     return ap.parse_args(argv)
 
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
         log(f"model {model_dir} ({summary['params'] / 1e6:.1f}M params, ready in {t_model.wall:.1f}s)")
         log(f"workload: {wl.describe()}; torch threads {threads}")
 
-        engine_args = {"dtype": "float32"}
+        engine_args = {"dtype": "float32", "attention_backend": args.attention_backend}
         if args.max_num_seqs:
             engine_args["max_num_seqs"] = args.max_num_seqs
         if args.max_num_batched_tokens:
@@ -218,6 +223,14 @@ def main(argv=None) -> int:
         n_tok = wl.total_output_tokens
         bad_len = [i for i, (t, n) in enumerate(zip(ours["tokens"], wl.output_lens)) if len(t) != n]
         log(f"  zeroserve: {ours['wall']:.1f}s wall, {n_tok / ours['wall']:.1f} tok/s")
+        also = None
+        if args.also_backend:
+            log(f"running zeroserve with attention_backend={args.also_backend} ...")
+            also = run_ours(model_dir, wl, {**engine_args, "attention_backend": args.also_backend})
+            log(f"  zeroserve ({args.also_backend}): {also['wall']:.1f}s wall, {n_tok / also['wall']:.1f} tok/s")
+            if also["tokens"] != ours["tokens"]:
+                log(f"  note: {sum(a != b for a, b in zip(also['tokens'], ours['tokens']))} requests differ "
+                    "between the two backends")
 
         hf = None
         checked: list[int] = []
@@ -247,12 +260,18 @@ def main(argv=None) -> int:
           f"{summary['layers']} layers, {summary['heads']}q/{summary['kv_heads']}kv heads, vocab {summary['vocab']}), "
           f"fp32 CPU, torch threads {threads} (OMP_WAIT_POLICY {omp_policy}), torch {env['torch']}, "
           f"transformers {env.get('transformers', '?')}, load avg before run {env.get('loadavg_1m', '?')}")
-    rows = [{"engine": "zeroserve (continuous batching)", "wall s": ours["wall"], "cpu s": ours["cpu"],
+    rows = [{"engine": f"zeroserve ({args.attention_backend} attention)", "wall s": ours["wall"], "cpu s": ours["cpu"],
              "tok/s": n_tok / ours["wall"], "tok/cpu-s": n_tok / max(ours["cpu"], 1e-9)}]
+    if also is not None:
+        rows.append({"engine": f"zeroserve ({args.also_backend} attention)", "wall s": also["wall"],
+                     "cpu s": also["cpu"], "tok/s": n_tok / also["wall"], "tok/cpu-s": n_tok / max(also["cpu"], 1e-9)})
     if hf is not None:
         rows.append({"engine": f"transformers (static batch {args.hf_batch_size})", "wall s": hf["wall"],
                      "cpu s": hf["cpu"], "tok/s": n_tok / hf["wall"], "tok/cpu-s": n_tok / max(hf["cpu"], 1e-9)})
     print_table(rows)
+    if also is not None:
+        print(f"attention backends, same run: {args.attention_backend} / {args.also_backend} = "
+              f"{also['wall'] / ours['wall']:.2f}x tokens/s")
     ratio = cpu_ratio = None
     if hf is not None:
         ratio = hf["wall"] / ours["wall"]

@@ -7,13 +7,17 @@ from typing import Any
 
 from common.errors import InvalidRequest
 
+# auto = triton on CUDA, cpu elsewhere; cpu = the torch twins plus compiled CPU kernels where
+# they build (kernels/cpu_ops.py); torch = the twins alone (the reference)
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+
 
 @dataclass
 class EngineArgs:
     model: str | None = None  # HF model directory; None = the built-in tiny model
     dtype: str = "auto"
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | triton | torch
+    attention_backend: str = "auto"  # auto | triton | cpu | torch (kernels/__init__.py)
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit capacity; else from the memory budget
     kv_cache_memory_bytes: int | None = None  # CPU budget (default 1 GiB)
@@ -46,8 +50,8 @@ class EngineArgs:
             pos_int(name)
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
             pos_int(name, allow_none=True)
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise bad(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not (isinstance(self.device, str) and (self.device in ("cpu", "cuda") or self.device.startswith("cuda:"))):
             raise bad(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+from common.config import ATTENTION_BACKENDS as BACKENDS
 
 
 @dataclass
@@ -31,17 +31,25 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        return "triton" if torch.device(device).type == "cuda" else "cpu"
+    if backend == "cpu" and torch.device(device).type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on CPU tensors only, not on {device}; use auto or triton")
     return backend
 
 
 def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> ModuleType:
-    """Return the op namespace for `backend` ("auto" = triton on CUDA, torch elsewhere)."""
+    """Return the op namespace for `backend` ("auto" = triton on CUDA, cpu elsewhere)."""
     name = resolve_backend(backend, device)
     if name == "triton":
         from kernels import triton_ops
 
         return triton_ops
+    if name == "cpu":
+        from kernels import cpu_native, cpu_ops
+
+        cpu_native.available()  # build (or load the cached build) now, not inside the first step
+
+        return cpu_ops
     from kernels import torch_ops
 
     return torch_ops

@@ -133,8 +133,15 @@ class ModelRunner:
         # block tables and slot mapping
         max_blocks = max(len(s.block_ids) for s in states)
         table = np.zeros((B, max_blocks), np.int32)
+        nblocks = np.empty(B, np.int64)
         for i, s in enumerate(states):
             table[i, :len(s.block_ids)] = s.block_ids
+            nblocks[i] = len(s.block_ids)
+        # the attention kernels read the cache by these ids without bounds checks
+        if table.size and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
+            raise ValueError(f"block id outside the KV cache (0..{self.num_blocks - 1}) in step")
+        if (seq_lens > nblocks * bs).any():
+            raise ValueError("a request's tokens exceed its blocks in step")
         slots = table[row_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
         # which requests produce a token: their sequence is fully computed after this step
         num_tokens = np.fromiter((len(s.token_ids) for s in states), np.int64, B)

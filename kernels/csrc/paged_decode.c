@@ -1,0 +1,144 @@
+/* Paged decode attention for CPUs, fp32: one query token per request against its cached keys
+ * and values, read in place from the paged cache.
+ *
+ * Why a C kernel: on CPU the torch twin must first gather every request's blocks into a padded
+ * [B, L, Hk, D] buffer and then run SDPA over it, so decode attention moves its bytes through
+ * memory three times; here each cached key/value row is read once, straight from its block.
+ *
+ * Layout (the engine's): q [B, Hq, D]; caches [num_blocks, block_size, Hk, D];
+ * block_tables [B, bt_stride] int32; seq_lens [B] int32; out [B, Hq, D]. Query head h reads kv
+ * head h / (Hq / Hk) (GQA). Softmax is online (running max and sum per query head), in fp32.
+ * A request with seq_len <= 0 gets zeros.
+ *
+ * Built on first use by kernels/cpu_native.py with the system C compiler; its torch twin is
+ * kernels.torch_ops.paged_attention, and tests/kernels/test_cpu_native.py compares the two.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 32   /* query heads per kv head */
+#define MAX_DIM 256    /* head_dim */
+#define CHUNK 32       /* keys scored per pass: the scores stay in L1 */
+
+int zs_limits(int *max_group, int *max_dim) {
+    *max_group = MAX_GROUP;
+    *max_dim = MAX_DIM;
+    return 1;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int d) {
+    float s = 0.f;
+    for (int i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Four keys against one query: four independent vector accumulators keep the FMA units busy
+ * (one dot alone is a single dependency chain). */
+static inline void dot4(const float *restrict q, const float *restrict k0, const float *restrict k1,
+                        const float *restrict k2, const float *restrict k3, int d, float *restrict out) {
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (int i = 0; i < d; i++) {
+        s0 += q[i] * k0[i];
+        s1 += q[i] * k1[i];
+        s2 += q[i] * k2[i];
+        s3 += q[i] * k3[i];
+    }
+    out[0] = s0;
+    out[1] = s1;
+    out[2] = s2;
+    out[3] = s3;
+}
+
+/* exp(x) for x <= 0 to ~1 ulp, written so that loops over it vectorize (libm's expf does not
+ * without -ffast-math): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Attention of the `grp` query heads that share kv head `hk`, for one request. */
+static void decode_one(const float *restrict q, const float *restrict kc, const float *restrict vc,
+                       const int32_t *restrict table, int seq_len, float *restrict out,
+                       int hk, int Hk, int D, int BS, int grp, float scale) {
+    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][CHUNK];
+    float acc[MAX_GROUP][MAX_DIM];
+    const int64_t row = (int64_t)Hk * D;  /* floats between consecutive tokens of a block */
+    for (int g = 0; g < grp; g++) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.f;
+        memset(acc[g], 0, sizeof(float) * D);
+    }
+    for (int t0 = 0; t0 < seq_len; t0 += CHUNK) {
+        const int n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
+        const float *k[CHUNK];
+        for (int i = 0; i < n; i++) {
+            const int t = t0 + i;
+            k[i] = kc + ((int64_t)table[t / BS] * BS + t % BS) * row + (int64_t)hk * D;
+        }
+        for (int g = 0; g < grp; g++) {
+            const float *qg = q + (int64_t)g * D;
+            int i = 0;
+            for (; i + 4 <= n; i += 4) dot4(qg, k[i], k[i + 1], k[i + 2], k[i + 3], D, &s[g][i]);
+            for (; i < n; i++) s[g][i] = dot(qg, k[i], D);
+            for (i = 0; i < n; i++) s[g][i] *= scale;
+        }
+        for (int g = 0; g < grp; g++) {
+            float mx = m[g];
+            for (int i = 0; i < n; i++) mx = s[g][i] > mx ? s[g][i] : mx;
+            const float corr = exp_neg(m[g] - mx);
+            m[g] = mx;
+            l[g] *= corr;
+            for (int d = 0; d < D; d++) acc[g][d] *= corr;
+            float sum = 0.f;
+            for (int i = 0; i < n; i++) {
+                s[g][i] = exp_neg(s[g][i] - mx);
+                sum += s[g][i];
+            }
+            l[g] += sum;
+        }
+        for (int i = 0; i < n; i++) {
+            const int t = t0 + i;
+            const float *v = vc + ((int64_t)table[t / BS] * BS + t % BS) * row + (int64_t)hk * D;
+            for (int g = 0; g < grp; g++) {
+                const float p = s[g][i];
+                float *restrict a = acc[g];
+                for (int d = 0; d < D; d++) a[d] += p * v[d];
+            }
+        }
+    }
+    for (int g = 0; g < grp; g++) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int d = 0; d < D; d++) out[(int64_t)g * D + d] = acc[g][d] * inv;
+    }
+}
+
+/* Returns 0 on success, -1 when a shape is outside the compiled limits. */
+int zs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                        float *out, int B, int Hq, int Hk, int D, int BS, float scale, int threads) {
+    if (Hk <= 0 || Hq % Hk != 0 || Hq / Hk > MAX_GROUP || D > MAX_DIM || BS <= 0) return -1;
+    const int grp = Hq / Hk;
+    const int64_t tasks = (int64_t)B * Hk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int b = (int)(task / Hk), hk = (int)(task % Hk);
+        const int64_t off = ((int64_t)b * Hq + (int64_t)hk * grp) * D;
+        decode_one(q + off, k_cache, v_cache, block_tables + b * bt_stride, seq_lens[b], out + off,
+                   hk, Hk, D, BS, grp, scale);
+    }
+    return 0;
+}
