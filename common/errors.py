@@ -39,9 +39,17 @@ class ModelLoadError(ZeroserveError, ValueError):
     code = "model_load"
 
 
+class CurveKeyError(ZeroserveError, ValueError):
+    """A CURVE key file or folder is missing or unreadable; the message names it and the
+    `zeroserve keys` command that creates it."""
+
+    code = "curve_keys"
+
+
 ERRORS_BY_CODE = {
     cls.code: cls
-    for cls in (ZeroserveError, InvalidRequest, Overloaded, RequestTimeout, ClusterUnavailable, ModelLoadError)
+    for cls in (ZeroserveError, InvalidRequest, Overloaded, RequestTimeout, ClusterUnavailable, ModelLoadError,
+                CurveKeyError)
 }
 
 

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from common.config import ATTENTION_BACKENDS
+
 DEFAULT_PORT = 7000
 
 
@@ -27,7 +29,7 @@ def _opt(p: argparse.ArgumentParser, flag: str, type=str, default=None, **kw) ->
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     _opt(p, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     _opt(p, "--device", default="cpu", help="cpu | cuda | cuda:N")
-    _opt(p, "--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    _opt(p, "--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     _opt(p, "--block-size", int, 16)
     _opt(p, "--num-kv-blocks", int, None)
     _opt(p, "--kv-cache-memory-bytes", int, None, help="KV budget on CPU (default 1 GiB)")
@@ -48,6 +50,14 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _opt(p, "--drain-timeout", float, 60.0)
 
 
+def _curve_flags(p: argparse.ArgumentParser, client: bool = True) -> None:
+    """CURVE (authenticated, encrypted ZeroMQ): on when --curve-keys names a `zeroserve keys` directory."""
+    _opt(p, "--curve-keys", metavar="DIR", help="CURVE key directory made by `zeroserve keys DIR` (default: plain)")
+    if client:
+        _opt(p, "--curve-client", default="client", metavar="NAME",
+             help="whose CURVE key to use: DIR/clients/NAME.key_secret")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="zeroserve", description="An LLM serving engine built as a ZeroMQ cluster.")
     ap.add_argument("--log-json", action="store_true", help="JSON log lines (also ZEROSERVE_LOG_JSON=1)")
@@ -64,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="send one request once ready, print the answer and stop")
     _engine_flags(up)
     _scheduler_flags(up)
+    _curve_flags(up, client=False)
 
     sc = sub.add_parser("scheduler", help="run the scheduler process")
     sc.add_argument("--host", default=_env_default("ZEROSERVE_HOST", "127.0.0.1"))
@@ -75,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the host workers reach us at, when we bind 0.0.0.0 (default: the bind host)")
     _opt(sc, "--max-model-len", int, None)
     _scheduler_flags(sc)
+    _curve_flags(sc, client=False)
 
     wk = sub.add_parser("worker", help="run one worker shard")
     wk.add_argument("--scheduler", default=_env_default("ZEROSERVE_SCHEDULER", f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"),
@@ -88,16 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--dist-init-addr", default=None, help="torch.distributed address (rank 0 picks one if omitted)")
     wk.add_argument("--advertise-host", default=None, help="address other shards reach this one at")
     _engine_flags(wk)
+    _curve_flags(wk)
 
     dt = sub.add_parser("detokenizer", help="run the detokenizer process")
     dt.add_argument("--scheduler", default=_env_default("ZEROSERVE_SCHEDULER", f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"))
     dt.add_argument("--model", action="append", default=None, help="default: $ZEROSERVE_MODEL or the built-in model")
     dt.add_argument("--worker-id", default=None)
+    _curve_flags(dt)
 
     st = sub.add_parser("status", help="show the cluster: workers, KV use, queue, tokens/s")
     st.add_argument("--address", default=_env_default("ZEROSERVE_ADDRESS", f"tcp://127.0.0.1:{DEFAULT_PORT}"))
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0)
+    _curve_flags(st)
 
     gen = sub.add_parser("generate", help="send one request to a running cluster")
     gen.add_argument("prompt")
@@ -107,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true")
     gen.add_argument("--timeout", type=float, default=30.0)
+    _curve_flags(gen)
+
+    ky = sub.add_parser("keys", help="create a CURVE key directory: scheduler key pair, client key pairs, allow-list")
+    ky.add_argument("dir", help="the key directory (created if missing; existing keys are kept)")
+    ky.add_argument("--client", action="append", default=None, metavar="NAME",
+                    help="a client key pair to create and allow (repeatable; default: one named 'client')")
 
     bt = sub.add_parser("batch", help="offline batch generation in this process (no cluster), JSON lines out")
     bt.add_argument("input", help="a text file with one prompt per line ('-' = stdin)")
@@ -129,7 +150,8 @@ def _status(args) -> int:
     from common.errors import ZeroserveError
 
     try:
-        with Client(args.address, timeout_s=args.timeout) as c:
+        with Client(args.address, timeout_s=args.timeout, curve_keys=args.curve_keys,
+                    curve_client_name=args.curve_client) as c:
             s = c.stats()
     except ZeroserveError as e:
         print(f"zeroserve status: {e}", file=sys.stderr)
@@ -158,7 +180,8 @@ def _generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
-        with Client(args.address, request_timeout_s=args.timeout) as c:
+        with Client(args.address, request_timeout_s=args.timeout, curve_keys=args.curve_keys,
+                    curve_client_name=args.curve_client) as c:
             if args.stream:
                 for d in c.stream(args.prompt, params):
                     print(d.text, end="", flush=True)
@@ -171,6 +194,40 @@ def _generate(args) -> int:
     except ZeroserveError as e:
         print(f"zeroserve generate: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _keys(args) -> int:
+    """`zeroserve keys DIR`: make or complete a CURVE key directory and say which file goes where."""
+    from common.transport import create_curve_keys
+
+    kd = create_curve_keys(args.dir, args.client or ["client"])
+    d = kd.directory
+
+    def row(path, created: bool | None, what: str) -> None:
+        state = "" if created is None else "created" if created else "kept"
+        print(f"  {str(path.relative_to(d)) + ('/' if path.is_dir() else ''):<32} {state:<8} {what}")
+
+    print(f"CURVE keys in {d}")
+    row(kd.server_secret, kd.server_created, "scheduler secret key     -> the scheduler host only")
+    row(kd.server_public, kd.server_created, "scheduler public key     -> every host")
+    allowed = [n for n, ok in kd.clients_allowed.items() if ok]
+    row(kd.allowed_dir, None, f"allow-list, read by the scheduler at start: {', '.join(allowed) or 'EMPTY'}")
+    for name, created in kd.clients_created.items():
+        row(kd.client_secret(name), created, f"secret key of client '{name}' -> the hosts that run it")
+        row(kd.client_public(name), created, f"public key of client '{name}', " + (
+            "allowed" if kd.clients_allowed[name] else "NOT allowed (revoked?): copy it into allowed/ to let it in"))
+    print(f"""
+On the scheduler host (needs server.key_secret and allowed/):
+  zeroserve scheduler --host 0.0.0.0 --curve-keys {d}
+On each worker, detokenizer and client host, copy server.key and clients/NAME.key_secret to the
+same paths under a key folder there, then:
+  zeroserve worker --scheduler tcp://SCHEDULER:7001 --curve-keys DIR --curve-client NAME
+  zeroserve generate "hi" --address tcp://SCHEDULER:7000 --curve-keys DIR --curve-client NAME
+  Client("tcp://SCHEDULER:7000", curve_keys="DIR", curve_client_name="NAME")
+(or set ZEROSERVE_CURVE_KEYS / ZEROSERVE_CURVE_CLIENT). Keep the secret files private (mode 0600).
+The scheduler reads allowed/ when it starts: restart it after adding a client; delete
+allowed/NAME.key and restart it to revoke one.""")
     return 0
 
 
@@ -196,11 +253,21 @@ def _batch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.errors import CurveKeyError
+
     args = build_parser().parse_args(argv)
     if args.log_json:
         os.environ["ZEROSERVE_LOG_JSON"] = "1"
     if args.log_level:
         os.environ["ZEROSERVE_LOG_LEVEL"] = args.log_level
+    try:
+        return _run(args)
+    except CurveKeyError as e:  # a missing or unreadable key file: the message says what to do
+        print(f"zeroserve {args.cmd}: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args) -> int:
     if args.cmd == "up":
         from services.launcher import main as up_main
 
@@ -227,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.cmd == "batch":
         return _batch(args)
+    if args.cmd == "keys":
+        return _keys(args)
     if args.cmd == "make-tiny-model":
         from services.tiny_model import run_cli
 

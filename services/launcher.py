@@ -65,8 +65,10 @@ def plan_children(args, model: str) -> list[Child]:
         sched.append("--no-prefix-caching")
     if args.max_model_len:
         sched += ["--max-model-len", str(args.max_model_len)]
-    children = [Child("scheduler", sched, role="scheduler"),
-                Child("detokenizer", base + ["detokenizer", "--scheduler", sched_addr, "--model", model],
+    # CURVE: every child gets the key directory (workers and the detokenizer use client "client")
+    curve = ["--curve-keys", str(Path(args.curve_keys).resolve())] if getattr(args, "curve_keys", None) else []
+    children = [Child("scheduler", sched + curve, role="scheduler"),
+                Child("detokenizer", base + ["detokenizer", "--scheduler", sched_addr, "--model", model] + curve,
                       role="detokenizer")]
     n_shards = args.workers * args.tp
     threads = args.threads or max(1, (os.cpu_count() or 1) // n_shards)
@@ -82,6 +84,7 @@ def plan_children(args, model: str) -> list[Child]:
                               ("--max-model-len", args.max_model_len)):
                 if val:
                     argv += [flag, str(val)]
+            argv += curve
             name = f"worker g{g}" + (f" rank {r}" if args.tp > 1 else "")
             children.append(Child(name, argv))
     return children
@@ -111,14 +114,15 @@ def stop_children(children: list[Child]) -> None:
 
 
 def wait_ready(address: str, groups: int, children: list[Child], timeout_s: float = READY_TIMEOUT_S,
-               should_stop=lambda: False) -> dict | None:
+               should_stop=lambda: False, curve_keys: str | None = None) -> dict | None:
     """Poll the scheduler until `groups` groups and the detokenizer are ready. Returns None when
-    told to stop; raises when a child exits during start-up or time runs out."""
+    told to stop; raises when a child exits during start-up or time runs out. ``curve_keys``:
+    the cluster's CURVE key directory (None: $ZEROSERVE_CURVE_KEYS, if set)."""
     from common.errors import ZeroserveError
     from zeroserve import Client
 
     deadline = time.monotonic() + timeout_s
-    with Client(address, timeout_s=2.0) as c:
+    with Client(address, timeout_s=2.0, curve_keys=curve_keys) as c:
         while time.monotonic() < deadline:
             if should_stop():
                 return None
@@ -137,10 +141,10 @@ def wait_ready(address: str, groups: int, children: list[Child], timeout_s: floa
     raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f}s")
 
 
-def _demo(address: str, prompt: str) -> None:
+def _demo(address: str, prompt: str, curve_keys: str | None = None) -> None:
     from zeroserve import Client, SamplingParams
 
-    with Client(address) as c:
+    with Client(address, curve_keys=curve_keys) as c:
         out = c.generate(prompt, SamplingParams(max_tokens=32, temperature=0.8, seed=0))
     o = out.outputs[0]
     print(f"\nprompt: {prompt!r}\nanswer: {o.text!r}\n[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}; "
@@ -156,6 +160,12 @@ def main(args) -> int:
 
         model = str(default_model_dir())
         print("model: the built-in tiny model (random weights: its output is random text)", flush=True)
+    curve_keys = getattr(args, "curve_keys", None)
+    if curve_keys:  # check the key directory once here, not in every child's crash loop
+        from common.transport import curve_client_keys, curve_server_keys
+
+        curve_server_keys(curve_keys)
+        curve_client_keys(curve_keys)
     children = plan_children(args, model)
     stopping = False
 
@@ -175,7 +185,8 @@ def main(args) -> int:
         for c in children[2:]:
             print(f"{c.name:<12} pid {c.proc.pid}  model {model}  device {args.device}", flush=True)
         try:
-            if wait_ready(client_addr, args.workers, children, should_stop=lambda: stopping) is None:
+            if wait_ready(client_addr, args.workers, children, should_stop=lambda: stopping,
+                          curve_keys=curve_keys) is None:
                 return 0
         except (TimeoutError, RuntimeError) as e:
             print(f"zeroserve up: {e}", file=sys.stderr, flush=True)
@@ -183,7 +194,7 @@ def main(args) -> int:
         print(f"ready: {args.workers} worker group(s) x {args.tp} shard(s) serving {Path(model).name} at {client_addr}"
               f"  (try: zeroserve generate \"hello\" --address {client_addr})", flush=True)
         if args.demo is not None:
-            _demo(client_addr, args.demo)
+            _demo(client_addr, args.demo, curve_keys)
             return 0
         while not stopping:
             time.sleep(0.2)

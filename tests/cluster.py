@@ -98,7 +98,7 @@ def no_leftover_processes():
 class LocalCluster:
     def __init__(self, model_dir: str | Path, workers: int = 1, tp: int = 1, num_kv_blocks: int = 256,
                  scheduler_args: list[str] | None = None, worker_args: list[str] | None = None,
-                 detokenizer: bool = True, threads: int = 1) -> None:
+                 detokenizer: bool = True, threads: int = 1, curve_keys: str | Path | None = None) -> None:
         self.model = str(model_dir)
         self.port = free_port_block(4)
         self.address = f"tcp://127.0.0.1:{self.port}"
@@ -109,6 +109,8 @@ class LocalCluster:
         self.worker_args = worker_args or []
         self.with_detok = detokenizer
         self.threads = threads
+        self.curve_keys = str(curve_keys) if curve_keys else None  # CURVE: every child and client() use it
+        self.curve_args = ["--curve-keys", self.curve_keys] if self.curve_keys else []
         self.logdir = Path(tempfile.mkdtemp(prefix="zeroserve-cluster-"))
         self.children: dict[str, Child] = {}
         self._logs = []
@@ -134,11 +136,11 @@ class LocalCluster:
     def start_scheduler(self) -> Child:
         return self._start("scheduler", self._cmd(
             "scheduler", "--port", str(self.port), "--model", self.model, "--heartbeat-timeout", "3",
-            *self.scheduler_args), role="scheduler")
+            *self.curve_args, *self.scheduler_args), role="scheduler")
 
     def start_detokenizer(self, name: str = "detokenizer") -> Child:
-        return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, "--model", self.model),
-                           role="detokenizer")
+        return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, "--model", self.model,
+                                           *self.curve_args), role="detokenizer")
 
     def start_worker(self, group: str, rank: int = 0, tp: int | None = None, extra: list[str] | None = None) -> Child:
         tp = tp or self.tp
@@ -146,7 +148,7 @@ class LocalCluster:
         return self._start(wid, self._cmd(
             "worker", "--scheduler", self.backend, "--model", self.model, "--group", group, "--tp-size", str(tp),
             "--tp-rank", str(rank), "--worker-id", wid, "--num-kv-blocks", str(self.num_kv_blocks),
-            "--threads", str(self.threads), *self.worker_args, *(extra or [])))
+            "--threads", str(self.threads), *self.curve_args, *self.worker_args, *(extra or [])))
 
     def start_group(self, group: str) -> None:
         for r in range(self.tp):
@@ -210,6 +212,8 @@ class LocalCluster:
     def client(self, **kw):
         from zeroserve import Client
 
+        if self.curve_keys:
+            kw.setdefault("curve_keys", self.curve_keys)
         return Client(self.address, **kw)
 
     def stats(self) -> dict:

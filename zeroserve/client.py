@@ -59,7 +59,7 @@ from common import protocol as P
 from common.errors import ClusterUnavailable, InvalidRequest, RequestTimeout, ZeroserveError
 from common.outputs import CompletionOutput, Logprob, RequestOutput
 from common.sampling_params import SamplingParams
-from common.transport import make_socket, tcp_addr
+from common.transport import CURVE_CLIENT_ENV, CURVE_KEYS_ENV, curve_client_keys, make_socket, tcp_addr
 
 __all__ = ["DEFAULT_ADDRESS", "AsyncClient", "AsyncStream", "Client", "StreamDelta", "SyncStream"]
 
@@ -340,14 +340,23 @@ class AsyncClient:
     ``ClusterUnavailable``. ``request_timeout_s``: default limit on one request's total time
     (``RequestTimeout``); None = no limit. A client belongs to the event loop it is first used
     on; create one per loop (or use ``Client`` from threads).
+    ``curve_keys``: a CURVE key directory (``zeroserve keys DIR``) when the scheduler uses CURVE;
+    None = ``$ZEROSERVE_CURVE_KEYS`` if set, ``False`` = plain even then. ``curve_client_name``:
+    whose key to use (``clients/NAME.key_secret``); None = ``$ZEROSERVE_CURVE_CLIENT`` or "client".
+    A missing key file raises ``CurveKeyError`` here, naming the file.
     """
 
     def __init__(self, address: str | int = DEFAULT_ADDRESS, timeout_s: float = 10.0,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, *, curve_keys: str | os.PathLike | bool | None = None,
+                 curve_client_name: str | None = None) -> None:
         try:
             self.address = tcp_addr(address)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        if curve_keys is None:
+            curve_keys = os.environ.get(CURVE_KEYS_ENV) or None
+        self.curve = curve_client_keys(curve_keys or None,
+                                       curve_client_name or os.environ.get(CURVE_CLIENT_ENV) or None)
         self.timeout_s = _check_timeout("timeout_s", timeout_s, allow_none=False)
         self.request_timeout_s = _check_timeout("request_timeout_s", request_timeout_s)
         self.identity = f"client-{os.urandom(6).hex()}".encode()
@@ -373,7 +382,8 @@ class AsyncClient:
         if self._loop is None:
             ctx = zmq.asyncio.Context()
             try:
-                sock = make_socket(ctx, zmq.DEALER, connect=self.address, identity=self.identity)
+                sock = make_socket(ctx, zmq.DEALER, connect=self.address, identity=self.identity,
+                                   **(self.curve.socket_kwargs() if self.curve else {}))
             except zmq.ZMQError as e:
                 ctx.term()
                 raise InvalidRequest(f"cannot connect to {self.address}: {e}; give the scheduler's client address "
@@ -419,8 +429,11 @@ class AsyncClient:
         return self._closed
 
     def _unavailable(self) -> ClusterUnavailable:
+        hint = (f"with CURVE: is client key {self.curve.name!r} in the scheduler's allowed/ folder, and "
+                f"{self.curve.server_public_key_file.name} the scheduler's key?" if self.curve else
+                "if the scheduler uses CURVE, pass curve_keys= (or set ZEROSERVE_CURVE_KEYS)")
         return ClusterUnavailable(f"no answer from the scheduler at {self.address} for {self.timeout_s:g} s; "
-                                  "is `zeroserve up` running?")
+                                  f"is `zeroserve up` running? ({hint})")
 
     # ---------------------------------------------------------------- sending
     def _send(self, msg: Any) -> None:
@@ -784,11 +797,14 @@ class Client:
 
     ``stream()`` returns a normal iterator; leaving it early (``break`` and dropping it,
     ``close()``, or a ``with`` block) aborts the request. ``close()`` stops the background thread.
+    ``curve_keys`` / ``curve_client_name``: CURVE, as in ``AsyncClient``.
     """
 
     def __init__(self, address: str | int = DEFAULT_ADDRESS, timeout_s: float = 10.0,
-                 request_timeout_s: float | None = None) -> None:
-        self._ac = AsyncClient(address, timeout_s, request_timeout_s)
+                 request_timeout_s: float | None = None, *, curve_keys: str | os.PathLike | bool | None = None,
+                 curve_client_name: str | None = None) -> None:
+        self._ac = AsyncClient(address, timeout_s, request_timeout_s, curve_keys=curve_keys,
+                               curve_client_name=curve_client_name)
         self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
         self._closed = False

@@ -24,15 +24,17 @@ from common.log import get_logger, setup_logging
 from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_tokenizer
-from common.transport import make_socket
+from common.transport import curve_client_keys, make_socket
 
 log = get_logger("detokenizer")
 
 
 class DetokenizerService:
     def __init__(self, scheduler_addr: str, model_dirs: list[str], worker_id: str | None = None,
-                 heartbeat_interval_s: float = 1.0) -> None:
+                 heartbeat_interval_s: float = 1.0, curve_keys: str | None = None,
+                 curve_client: str | None = None) -> None:
         self.scheduler_addr = scheduler_addr
+        self.curve = curve_client_keys(curve_keys, curve_client)  # None: a plain connection
         self.worker_id = worker_id or f"detok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.tokenizers = {}
         for d in model_dirs:
@@ -54,7 +56,8 @@ class DetokenizerService:
     def run(self) -> int:
         ctx = zmq.Context()
         # IMMEDIATE: no heartbeats pile up while the scheduler is away (each would be refused later)
-        sock = make_socket(ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id, immediate=True)
+        sock = make_socket(ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id, immediate=True,
+                           **(self.curve.socket_kwargs() if self.curve else {}))
         try:
             self._hello(sock)
             last_hb = 0.0
@@ -95,9 +98,22 @@ class DetokenizerService:
         return 0
 
     def _hello(self, sock: zmq.Socket) -> None:
+        unreachable_since, told = time.monotonic(), False
         while not self.stop.is_set():
-            sock.send_multipart(P.encode(P.Hello(role="detokenizer", worker_id=self.worker_id, host=socket.gethostname(),
-                                                 pid=os.getpid(), model=self.default or "")))
+            try:  # NOBLOCK (IMMEDIATE socket): a blocking send would hang while the scheduler is away or
+                # refuses our CURVE key, and SIGTERM could not stop us
+                sock.send_multipart(P.encode(P.Hello(role="detokenizer", worker_id=self.worker_id,
+                                                     host=socket.gethostname(), pid=os.getpid(),
+                                                     model=self.default or "")), zmq.NOBLOCK)
+            except zmq.Again:
+                if not told and time.monotonic() - unreachable_since > 5.0:
+                    told = True
+                    log.info("cannot reach the scheduler yet; retrying" + (
+                        " (CURVE: is this detokenizer's key allowed, and server.key the scheduler's?)" if self.curve
+                        else " (does the scheduler use CURVE? then pass --curve-keys)"),
+                        scheduler=self.scheduler_addr, curve_client=self.curve.name if self.curve else None)
+                time.sleep(0.1)
+                continue
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and not self.stop.is_set():
                 if not sock.poll(200):
@@ -192,7 +208,9 @@ def main(args) -> int:
     from services.engine import default_model_dir
 
     models = args.model or [str(default_model_dir())]
-    svc = DetokenizerService(args.scheduler, models, worker_id=args.worker_id)
+    svc = DetokenizerService(args.scheduler, models, worker_id=args.worker_id,
+                             curve_keys=getattr(args, "curve_keys", None),
+                             curve_client=getattr(args, "curve_client", None))
     signal.signal(signal.SIGTERM, lambda *_: svc.stop.set())
     signal.signal(signal.SIGINT, lambda *_: svc.stop.set())
     return svc.run()

@@ -31,7 +31,7 @@ from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
 from common.step import to_message
 from common.tokenizer import load_tokenizer
-from common.transport import make_socket
+from common.transport import curve_server_keys, is_loopback, make_socket, start_authenticator
 from services.scheduler.admission import check_params_for_model, check_token_ids, child_seed
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import Scheduler as Policy
@@ -60,6 +60,7 @@ class SchedulerConfig:
     probe_interval_s: float = 0.1
     stats_interval_s: float = 1.0
     seed: int = 0
+    curve_keys: str | None = None  # CURVE key directory (`zeroserve keys`); None = plain sockets
 
     def addresses(self) -> dict[str, str]:
         h, p = self.host, self.port
@@ -155,10 +156,30 @@ class SchedulerService:
             self.models[mc.name] = ModelInfo(mc.name, mc, load_tokenizer(d))
         self.default_model = next(iter(self.models), None)
         addrs = cfg.addresses()
-        self.client_sock = make_socket(self.ctx, zmq.ROUTER, bind=addrs["client"])
-        self.backend = make_socket(self.ctx, zmq.ROUTER, bind=addrs["backend"])
-        self.steps_pub = make_socket(self.ctx, zmq.PUB, bind=addrs["steps"])
-        self.events_pub = make_socket(self.ctx, zmq.PUB, bind=addrs["events"])
+        # CURVE: every bound socket is a CURVE server; the ZAP handler admits only allowed keys
+        curve = curve_server_keys(cfg.curve_keys)
+        self.auth = start_authenticator(self.ctx, curve.allowed_dir) if curve else None
+        kw = curve.socket_kwargs() if curve else {}
+        socks = []
+        try:
+            for sock_type, name in ((zmq.ROUTER, "client"), (zmq.ROUTER, "backend"), (zmq.PUB, "steps"),
+                                    (zmq.PUB, "events")):
+                socks.append(make_socket(self.ctx, sock_type, bind=addrs[name], **kw))
+        except BaseException:
+            for s in socks:
+                s.close(linger=0)
+            if self.auth:
+                self.auth.stop()
+            raise
+        self.client_sock, self.backend, self.steps_pub, self.events_pub = socks
+        if curve:
+            log.info("CURVE on: peers must hold an allowed client key", allowed=str(curve.allowed_dir),
+                     allowed_keys=len(list(curve.allowed_dir.glob("*.key"))))
+        elif not is_loopback(cfg.host):
+            log.warning("bound to a non-loopback host without CURVE: traffic is unauthenticated and unencrypted; "
+                        "whoever reaches these ports can submit requests or pose as a worker. Fine on a private "
+                        "network; otherwise run `zeroserve keys DIR` and start every process with --curve-keys DIR "
+                        "(env ZEROSERVE_CURVE_KEYS)", host=cfg.host)
         for s in (self.client_sock, self.backend):
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.addrs = addrs
@@ -233,6 +254,9 @@ class SchedulerService:
         self.pool.shutdown(wait=False, cancel_futures=True)
         for s in (self.client_sock, self.backend, self.steps_pub, self.events_pub, self.wake_rx, self.wake_tx):
             s.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(10000):
@@ -854,7 +878,7 @@ def main(args) -> int:
                           max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                           max_queue_len=args.max_queue_len, heartbeat_timeout_s=args.heartbeat_timeout,
                           step_timeout_s=args.step_timeout, client_timeout_s=args.client_timeout,
-                          drain_timeout_s=args.drain_timeout)
+                          drain_timeout_s=args.drain_timeout, curve_keys=getattr(args, "curve_keys", None))
     svc = SchedulerService(cfg)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     signal.signal(signal.SIGINT, lambda *_: svc.stop())

@@ -29,7 +29,7 @@ from common.errors import ZeroserveError
 from common.log import get_logger, setup_logging
 from common.model_config import ModelConfig
 from common.step import from_message
-from common.transport import free_port, make_socket
+from common.transport import curve_client_keys, free_port, make_socket
 from services.worker.model_runner import ModelRunner
 
 log = get_logger("worker")
@@ -53,8 +53,12 @@ class Rejoin(Exception):
 class WorkerService:
     def __init__(self, args: EngineArgs, scheduler_addr: str, group: str | None = None, tp_rank: int = 0,
                  worker_id: str | None = None, heartbeat_interval_s: float = 1.0,
-                 dist_init_addr: str | None = None, advertise_host: str | None = None) -> None:
+                 dist_init_addr: str | None = None, advertise_host: str | None = None,
+                 curve_keys: str | None = None, curve_client: str | None = None) -> None:
         self.args = args
+        # CURVE: every socket to the scheduler (dealer, heartbeat dealer, step SUB) uses this key
+        self.curve = curve_client_keys(curve_keys, curve_client)
+        self.curve_kw = self.curve.socket_kwargs() if self.curve else {}
         self.scheduler_addr = scheduler_addr
         self.tp_rank, self.tp_size = tp_rank, args.tp_size
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
@@ -119,7 +123,10 @@ class WorkerService:
     def _join(self) -> zmq.Socket:
         """HELLO until WELCOME; returns the subscribed step socket once the probe was acked."""
         while not self.drain_requested.is_set():
-            self.dealer.send_multipart(P.encode(self._hello()))
+            try:  # NOBLOCK: with no connection to queue on (a CURVE refusal drops it) a send would hang
+                self.dealer.send_multipart(P.encode(self._hello()), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and not self.drain_requested.is_set():
                 if not self.dealer.poll(200):
@@ -130,13 +137,20 @@ class WorkerService:
                         raise SystemExit(self._refused(msg.reason))
                     self._init_distributed(msg.dist_init_addr or self.dist_init_addr)
                     step_addr = reachable(msg.step_addr, self.scheduler_addr)
-                    sub = make_socket(self.ctx, zmq.SUB, connect=step_addr, subscribe=P.group_topic(self.group))
+                    sub = make_socket(self.ctx, zmq.SUB, connect=step_addr, subscribe=P.group_topic(self.group),
+                                      **self.curve_kw)
                     log.info("welcomed", group=self.group, step_addr=step_addr, scheduler=msg.scheduler_id)
                     self.rejoin.clear()
                     self.joined_at = time.monotonic()
                     self.joined.set()
                     return sub
-            log.info("no answer from the scheduler yet; saying hello again", scheduler=self.scheduler_addr)
+            if self.curve:
+                log.info("no answer from the scheduler yet; saying hello again (CURVE: is this worker's key "
+                         "allowed, and server.key the scheduler's?)", scheduler=self.scheduler_addr,
+                         curve_client=self.curve.name)
+            else:
+                log.info("no answer from the scheduler yet; saying hello again (does the scheduler use CURVE? "
+                         "then pass --curve-keys)", scheduler=self.scheduler_addr)
         raise SystemExit(EXIT_OK)
 
     def _refused(self, reason: str) -> int:
@@ -148,7 +162,7 @@ class WorkerService:
     def _heartbeat_loop(self) -> None:
         # IMMEDIATE: no heartbeats pile up while the scheduler is away (each would be refused later)
         hb = make_socket(self.ctx, zmq.DEALER, connect=self.scheduler_addr, identity=f"{self.worker_id}-hb",
-                         immediate=True)
+                         immediate=True, **self.curve_kw)
         try:
             while not self.stopped.is_set():
                 try:
@@ -191,7 +205,8 @@ class WorkerService:
                                   device=self.device)
         log.info("model loaded", kv_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
                  param_bytes=self.runner.param_bytes())
-        self.dealer = make_socket(self.ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id)
+        self.dealer = make_socket(self.ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id,
+                                  **self.curve_kw)
         hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb_thread.start()
         code = EXIT_OK
@@ -313,7 +328,8 @@ def main(args) -> int:
                        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                        tp_size=args.tp_size)
     svc = WorkerService(eargs, args.scheduler, group=args.group, tp_rank=args.tp_rank, worker_id=args.worker_id,
-                        dist_init_addr=args.dist_init_addr, advertise_host=args.advertise_host)
+                        dist_init_addr=args.dist_init_addr, advertise_host=args.advertise_host,
+                        curve_keys=getattr(args, "curve_keys", None), curve_client=getattr(args, "curve_client", None))
     signal.signal(signal.SIGTERM, lambda *_: svc.drain_requested.set())
     signal.signal(signal.SIGINT, lambda *_: svc.drain_requested.set())
     return svc.run()
