@@ -88,6 +88,8 @@ def _build(cc: str) -> Path:
 
 def _load() -> None:
     global _lib, _reason, _loaded
+    if _loaded:  # the hot path (every layer of every step): no lock once loaded
+        return
     with _lock:
         if _loaded:
             return

@@ -13,14 +13,7 @@ import torch
 from kernels import AttentionMetadata, cpu_native, torch_ops
 from kernels.torch_ops import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul, write_kv
 
-__all__ = [
-    "fused_add_rms_norm",
-    "paged_attention",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "write_kv",
-]
+__all__ = list(torch_ops.__all__)  # the same op set; only paged_attention differs
 
 
 def paged_attention(
