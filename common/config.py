@@ -1,8 +1,30 @@
-"""Engine arguments (vLLM's names), validated once at the boundary."""
+"""Every setting of every process, each defined once.
+
+Settings ("knobs") are fields of small dataclass groups: `ModelArgs`, `DeviceArgs`, `CacheArgs`,
+`ParallelArgs`, `SchedulerArgs`, `LivenessArgs`, ... Each field made with `knob()` carries its
+help text and, where the command line spells it differently from the field, its flag. The configs
+the processes use are compositions of groups (dataclass inheritance keeps them flat, vLLM's
+names): `EngineArgs` (the in-process engine and a worker's engine), `SchedulerConfig`,
+`WorkerArgs`, `DetokenizerArgs`. From the fields come:
+
+* `add_cli_args(parser, cls, only=, skip=)`: one flag per knob (`--max-num-seqs`), defaulting
+  to `$ZEROSERVE_MAX_NUM_SEQS` when that is set, in help sections named after the groups; a
+  bool that is on by default is `--no-...`; the namespace attribute is named after the flag;
+* `from_cli_args(cls, namespace)`: the parsed namespace back into a dataclass;
+* `to_cli_args(obj)`: the argv that gives a child process the same values (`zeroserve up`).
+
+So adding a knob means adding one field here (to the group of every process that needs it);
+services/cli.py says which configs each command takes. Fields made with plain `field()` are
+internal (code and tests set them; no flag). This module imports neither torch nor zmq: the
+scheduler and the detokenizer start without them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import argparse
+import os
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from common.errors import InvalidRequest
@@ -10,25 +32,326 @@ from common.errors import InvalidRequest
 # auto = triton on CUDA, cpu elsewhere; cpu = the torch twins plus compiled CPU kernels where
 # they build (kernels/cpu_ops.py); torch = the twins alone (the reference)
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+# auto = a GGUF's Q8_0/Q4_0/Q4_1/Q4_K weights stay packed; none = dequantize all; int8/int4 at load
+# (mirrors services/worker/model/quantize.py, which needs torch)
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DEFAULT_PORT = 7000  # the scheduler's client port; backend +1, steps +2, events +3
+DEFAULT_BACKEND = f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"
 
 
-@dataclass
-class EngineArgs:
-    model: str | None = None  # HF model directory; None = the built-in tiny model
-    dtype: str = "auto"
-    device: str = "cpu"
-    attention_backend: str = "auto"  # auto | triton | cpu | torch (kernels/__init__.py)
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit capacity; else from the memory budget
-    kv_cache_memory_bytes: int | None = None  # CPU budget (default 1 GiB)
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    enable_prefix_caching: bool = True
+def knob(default: Any = None, help: str = "", *, flag: str | None = None, env: bool = True,
+         choices: tuple[str, ...] | None = None, metavar: str | None = None, factory: Any = None) -> Any:
+    """A dataclass field that is also a command-line flag (``--<name>`` unless ``flag`` says
+    otherwise) and, unless ``env=False``, an environment variable ``ZEROSERVE_<FLAG>``."""
+    md = {"help": help, "flag": flag, "env": env, "choices": choices, "metavar": metavar}
+    if factory is not None:
+        return field(default_factory=factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+# --------------------------------------------------------------------------------------------
+# Knobs -> flags, environment, argv
+# --------------------------------------------------------------------------------------------
+
+ENV_PREFIX = "ZEROSERVE_"
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One field of a config as the command line sees it."""
+
+    name: str  # the dataclass field
+    flag: str  # --max-num-seqs
+    env: str | None  # ZEROSERVE_MAX_NUM_SEQS
+    kind: type  # int, float, str, bool or list (of str)
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+    metavar: str | None
+    title: str  # the help section: the first docstring line of the group that defines it
+
+    @property
+    def dest(self) -> str:
+        """The namespace attribute: named after the flag (``--no-prefix-caching`` -> no_prefix_caching)."""
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def negated(self) -> bool:
+        """A bool that is on by default: the flag turns it off."""
+        return self.kind is bool and self.default is True
+
+
+def _kind(hint: Any) -> type:
+    if typing.get_origin(hint) is list:
+        return list
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def knobs(cls: type, only: typing.Iterable[str] | None = None, skip: typing.Iterable[str] = ()) -> list[Knob]:
+    """The knobs of a config class (all, those named in ``only``, minus ``skip``): its own
+    first, then its groups' in the order of its bases."""
+    hints = typing.get_type_hints(cls)
+    only, skip = (None if only is None else set(only)), set(skip)
+    order = {b: i for i, b in enumerate(cls.__mro__)}
+    out = []
+    for f in fields(cls):
+        if "help" not in f.metadata or f.name in skip or (only is not None and f.name not in only):
+            continue
+        kind = _kind(hints[f.name])
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        flag = f.metadata["flag"] or ("--no-" if kind is bool and default is True else "--") + f.name.replace("_", "-")
+        env = ENV_PREFIX + flag[2:].replace("-", "_").upper() if f.metadata["env"] else None
+        owner = next(b for b in cls.__mro__ if f.name in b.__dict__.get("__annotations__", {}))
+        title = (owner.__doc__ or "").strip().split("\n")[0]
+        out.append((order[owner], Knob(f.name, flag, env, kind, default, f.metadata["help"], f.metadata["choices"],
+                                       f.metadata["metavar"], title)))
+    out.sort(key=lambda t: t[0])  # stable: field order within a group
+    return [k for _, k in out]
+
+
+def knob_names(*classes: type) -> tuple[str, ...]:
+    return tuple(k.name for cls in classes for k in knobs(cls))
+
+
+class _EnvValue(str):
+    """A default that came from the environment: conversion errors name the variable."""
+
+    env = ""
+
+
+def _converter(kind: type) -> Any:
+    def convert(value: str) -> Any:
+        try:
+            return kind(value)
+        except ValueError:
+            where = f" (from ${value.env})" if isinstance(value, _EnvValue) else ""
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {str(value)!r}{where}") from None
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+class _Append(argparse.Action):
+    """A repeatable flag; its first use replaces the default (which came from the environment)."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        cur = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(cur if cur is not None and cur is not self.default else []), value])
+
+
+def add_cli_args(parser: argparse.ArgumentParser, cls: type, only: typing.Iterable[str] | None = None,
+                 skip: typing.Iterable[str] = ()) -> None:
+    """One flag per knob of ``cls``; a knob's environment variable, when set, is its default."""
+    sections: dict[str, Any] = {}
+    for k in knobs(cls, only, skip):
+        if k.title not in sections:
+            sections[k.title] = parser.add_argument_group(k.title or None)
+        g = sections[k.title]
+        env = os.environ.get(k.env) if k.env else None
+        help = k.help.replace("%", "%%") + (f" [env {k.env}]" if k.env else "")
+        if k.kind is bool:  # the namespace says whether the flag was given
+            g.add_argument(k.flag, action="store_true", default=bool(env) and env.lower() in _TRUE, help=help)
+        elif k.kind is list:
+            g.add_argument(k.flag, action=_Append, metavar=k.metavar, help=help,
+                           default=[v for v in env.split(",") if v] if env else None)
+        else:  # argparse converts a string default (from the environment) with `type`
+            default = k.default
+            if env:
+                default = _EnvValue(env)
+                default.env = k.env
+            g.add_argument(k.flag, type=_converter(k.kind), default=default, choices=k.choices, metavar=k.metavar,
+                           help=help)
+
+
+def from_cli_args(cls: type, namespace: argparse.Namespace, **overrides: Any) -> Any:
+    """An instance of ``cls`` from a namespace ``add_cli_args`` filled; knobs it lacks keep their defaults."""
+    kw: dict[str, Any] = {}
+    for k in knobs(cls):
+        if not hasattr(namespace, k.dest):
+            continue
+        v = getattr(namespace, k.dest)
+        if k.kind is bool:
+            v = not v if k.negated else bool(v)
+        elif k.kind is list and not isinstance(v, list):  # unset, or another knob's (`up --model` is one dir)
+            continue
+        kw[k.name] = v
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def to_cli_args(obj: Any, only: typing.Iterable[str] | None = None, skip: typing.Iterable[str] = ()) -> list[str]:
+    """The flags that set ``obj``'s knobs in a child process. Every value is spelled out, so an
+    environment variable the child inherits cannot override it; left out are None (unset) and
+    bools at their default, which the child reads from the same environment as its parent."""
+    out: list[str] = []
+    for k in knobs(type(obj), only, skip):
+        v = getattr(obj, k.name)
+        if k.kind is bool:
+            if bool(v) != k.default:
+                out.append(k.flag)
+        elif k.kind is list:
+            for item in v:
+                out += [k.flag, str(item)]
+        elif v is not None:
+            out += [k.flag, str(v)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Groups
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    """model"""
+
+    model: str | None = knob(None, "HF model directory or .gguf file (default: the built-in tiny model)")
+    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16")
+    quantization: str = knob("auto", "weight quantization: auto = keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K weights packed "
+                                     "(other types dequantized; safetensors as floats); none = dequantize everything "
+                                     "at load; int8 / int4 = quantize every linear at load (group-wise, weight-only)",
+                             choices=QUANTIZATIONS)
+
+
+@dataclass(kw_only=True)
+class DeviceArgs:
+    """device"""
+
+    device: str = knob("cpu", "cpu | cuda | cuda:N")
+    attention_backend: str = knob("auto", "attention kernels: auto = triton on CUDA, cpu elsewhere; torch = the "
+                                          "reference twins", choices=ATTENTION_BACKENDS)
+
+
+@dataclass(kw_only=True)
+class CacheArgs:
+    """KV cache"""
+
+    block_size: int = knob(16, "tokens per KV block (a multiple of 16, up to 256)")
+    num_kv_blocks: int | None = knob(None, "KV blocks per worker (default: from the memory budget)")
+    kv_cache_memory_bytes: int | None = knob(None, "KV budget on CPU (default 1 GiB)")
+    gpu_memory_utilization: float = knob(0.9, "fraction of the GPU's memory this worker may use (weights + KV)")
+
+
+@dataclass(kw_only=True)
+class ParallelArgs:
+    """tensor parallelism"""
+
+    tp_size: int = knob(1, "tensor-parallel shards in this worker's group")
+
+
+@dataclass(kw_only=True)
+class SchedulerArgs:
+    """scheduling (the policy of each worker group)"""
+
+    max_num_seqs: int = knob(256, "sequences a worker group runs at once")
+    max_num_batched_tokens: int = knob(2048, "tokens per step (chunked prefill splits longer prompts)")
+    max_model_len: int | None = knob(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    enable_prefix_caching: bool = knob(True, "turn the prefix cache off", flag="--no-prefix-caching")
+    max_queue_len: int = knob(4096, "requests admitted and not finished before new ones get Overloaded")
+
+
+@dataclass(kw_only=True)
+class LivenessArgs:
+    """failure detection (scheduler)"""
+
+    heartbeat_timeout_s: float = knob(5.0, "seconds without a heartbeat before a worker (its group) is given up",
+                                      flag="--heartbeat-timeout")
+    step_timeout_s: float = knob(120.0, "seconds a step may take before its group is given up", flag="--step-timeout")
+    client_timeout_s: float = knob(10.0, "seconds a silent client keeps its requests", flag="--client-timeout")
+    drain_timeout_s: float = knob(60.0, "seconds a draining group may finish its requests", flag="--drain-timeout")
+
+
+@dataclass(kw_only=True)
+class ServeArgs:
+    """addresses"""
+
+    host: str = knob("127.0.0.1", "bind host (anything but loopback: use CURVE)")
+    port: int = knob(DEFAULT_PORT, "client port; workers use port+1, steps port+2, events port+3")
+
+
+@dataclass(kw_only=True)
+class AdvertiseArgs:
+    """advertised address"""
+
+    advertise_host: str | None = knob(None, "the host other processes reach this one at (scheduler bound to "
+                                            "0.0.0.0: its step address; TP rank 0: its torch.distributed address)")
+
+
+@dataclass(kw_only=True)
+class TokenizerArgs:
+    """tokenizers"""
+
+    models: list[str] = knob(help="model directory whose tokenizer this process serves (repeatable; default: the "
+                                  "built-in model)", flag="--model", factory=list)
+
+
+@dataclass(kw_only=True)
+class ChatArgs:
+    """chat"""
+
+    chat_template: str | None = knob(None, "a Jinja chat template file to use instead of the model's own",
+                                     metavar="FILE")
+
+
+@dataclass(kw_only=True)
+class CurveArgs:
+    """CURVE (authenticated, encrypted ZeroMQ)"""
+
+    curve_keys: str | None = knob(None, "CURVE key directory made by `zeroserve keys DIR` (default: plain)",
+                                  metavar="DIR")
+
+
+@dataclass(kw_only=True)
+class CurveClientArgs(CurveArgs):
+    """CURVE (authenticated, encrypted ZeroMQ)"""
+
+    curve_client: str = knob("client", "whose CURVE key to use: DIR/clients/NAME.key_secret", metavar="NAME")
+
+
+@dataclass(kw_only=True)
+class ThreadArgs:
+    """CPU"""
+
+    threads: int | None = knob(None, "torch CPU threads for this process")
+
+
+@dataclass(kw_only=True)
+class PeerArgs(CurveClientArgs):
+    """connection to the scheduler"""
+
+    scheduler: str = knob(DEFAULT_BACKEND, "the scheduler's backend address (its port + 1)")
+    worker_id: str | None = knob(None, "this process's id at the scheduler (default: host-pid-random)", env=False)
+    heartbeat_interval_s: float = knob(1.0, "seconds between heartbeats", flag="--heartbeat-interval")
+
+
+@dataclass(kw_only=True)
+class LaunchArgs:
+    """cluster shape (zeroserve up)"""
+
+    workers: int = knob(1, "worker groups to start")
+    tp: int = knob(1, "tensor-parallel shards per worker group")
+
+
+@dataclass(kw_only=True)
+class ClientArgs(CurveClientArgs):
+    """cluster address"""
+
+    address: str = knob(f"tcp://127.0.0.1:{DEFAULT_PORT}", "the scheduler's client address")
+
+
+# --------------------------------------------------------------------------------------------
+# What each process is configured with
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class EngineArgs(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs, SchedulerArgs):
+    """Engine arguments (vLLM's names), validated once at the boundary."""
+
     seed: int = 0
-    tp_size: int = 1
-    max_queue_len: int = 4096  # admission control in the cluster scheduler
 
     def __post_init__(self) -> None:
         self.validate()
@@ -50,6 +373,8 @@ class EngineArgs:
             pos_int(name)
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
             pos_int(name, allow_none=True)
+        if self.quantization not in QUANTIZATIONS:
+            raise bad(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not (isinstance(self.device, str) and (self.device in ("cpu", "cuda") or self.device.startswith("cuda:"))):
@@ -69,3 +394,37 @@ class EngineArgs:
         if unknown:
             raise InvalidRequest(f"engine args: unknown argument(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **kwargs)
+
+
+# the engine knobs a worker takes: the policy's limits are the scheduler's, except the length cap
+WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs), "max_model_len")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, ChatArgs, SchedulerArgs, LivenessArgs, CurveArgs):
+    """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
+
+    no_worker_timeout_s: float = 300.0  # a request waits this long for a group serving its model
+    probe_interval_s: float = 0.1
+    stats_interval_s: float = 1.0
+    seed: int = 0
+
+    def addresses(self) -> dict[str, str]:
+        h, p = self.host, self.port
+        return {"client": f"tcp://{h}:{p}", "backend": f"tcp://{h}:{p + 1}", "steps": f"tcp://{h}:{p + 2}",
+                "events": f"tcp://{h}:{p + 3}"}
+
+
+@dataclass(kw_only=True)
+class WorkerArgs(PeerArgs, AdvertiseArgs, ThreadArgs):
+    """worker shard"""
+
+    group: str | None = knob(None, "worker group name (shards of one tensor-parallel group share it; "
+                                   "default: one group per worker)")
+    tp_rank: int = knob(0, "this shard's rank in its group")
+    dist_init_addr: str | None = knob(None, "torch.distributed address (rank 0 picks one if omitted)")
+
+
+@dataclass(kw_only=True)
+class DetokenizerArgs(PeerArgs, TokenizerArgs):
+    """The detokenizer process."""

@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from common.errors import ModelLoadError
 
 # architecture name in config.json -> family our model code uses
@@ -33,16 +31,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 @dataclass
@@ -106,8 +94,15 @@ class ModelConfig:
         """Parse `model_dir`/config.json (+ generation_config.json when present).
 
         `require_weights=False` skips the check for *.safetensors files (random-init benchmarks
-        only need the shapes)."""
-        path = Path(model_dir)
+        only need the shapes). A .gguf file, or a directory without config.json holding exactly
+        one .gguf file, is read by common/gguf_config.py instead."""
+        kind, path = resolve_model_path(model_dir)
+        if kind == "gguf":
+            from common.gguf_config import (
+                config_from_gguf,  # lazy: it imports this module
+            )
+
+            return config_from_gguf(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
         cfg_path = path / "config.json"
@@ -250,6 +245,25 @@ class ModelConfig:
         )
 
 
+def resolve_model_path(model_path: str | os.PathLike) -> tuple[str, Path]:
+    """("gguf", file) for a .gguf file or a directory with no config.json and exactly one .gguf
+    file; ("hf", path) otherwise (from_dir then reports what is missing)."""
+    path = Path(model_path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return "gguf", path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        if len(ggufs) > 1:
+            raise ModelLoadError(
+                f"model directory {str(path)!r} has no config.json and {len(ggufs)} .gguf files "
+                f"({', '.join(p.name for p in ggufs[:4])}{', ...' if len(ggufs) > 4 else ''}); "
+                "pass one .gguf file as the model (split GGUF files are not supported)"
+            )
+    return "hf", path
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -316,34 +330,3 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] 
     if not math.isfinite(out["factor"]) or out["factor"] <= 0:
         raise ModelLoadError(f"{source}: llama3 rope scaling factor must be positive, got {out['factor']}")
     return theta, out, partial
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype,
-    device: torch.device | str,
-    config: ModelConfig | str | None = None,
-) -> torch.dtype:
-    """Turn a user dtype name into a torch dtype.
-
-    "auto" = the checkpoint's `torch_dtype` (from `config`, a ModelConfig or the dtype string) on
-    accelerators, float32 when unknown, and always float32 on CPU (half precision matmuls on CPU
-    are slow and less accurate)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ModelLoadError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-        return dtype
-    if not isinstance(dtype, str):
-        raise ModelLoadError(f"dtype must be a string, got {dtype!r}")
-    name = dtype.strip().lower().replace("torch.", "")
-    if name == "auto":
-        if torch.device(device).type == "cpu":
-            return torch.float32
-        cfg_dtype = config.torch_dtype if isinstance(config, ModelConfig) else config
-        cfg_dtype = (cfg_dtype or "float32").lower().replace("torch.", "")
-        return _DTYPE_NAMES.get(cfg_dtype, torch.float32)
-    if name not in _DTYPE_NAMES:
-        raise ModelLoadError(
-            f"unsupported dtype {dtype!r}; use 'auto', 'float32' (float, fp32), 'bfloat16' (bf16) "
-            "or 'float16' (half, fp16)"
-        )
-    return _DTYPE_NAMES[name]

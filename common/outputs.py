@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -10,6 +11,22 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+def logprob_entries(ids_rows, lp_rows, ranks, k: int | None = None,
+                    decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
+    """vLLM-style logprobs from the raw rows: column 0 is the sampled token (with its rank),
+    columns 1..k the top-k with rank j (all columns when k is None); `decode` names the tokens."""
+    out = []
+    ranks = ranks.tolist() if hasattr(ranks, "tolist") else list(ranks)
+    for row_ids, row_lps, rank in zip(ids_rows.tolist(), lp_rows.tolist(), ranks):
+        top = len(row_ids) - 1 if k is None else k
+        entry = {row_ids[0]: Logprob(row_lps[0], rank, decode(row_ids[0]) if decode else None)}
+        for j in range(1, top + 1):
+            if row_ids[j] not in entry:
+                entry[row_ids[j]] = Logprob(row_lps[j], j, decode(row_ids[j]) if decode else None)
+        out.append(entry)
+    return out
 
 
 @dataclass

@@ -1,17 +1,23 @@
-"""SamplingParams with vLLM's names and semantics, validated at the boundary."""
+"""SamplingParams with vLLM's names and semantics, validated at the boundary.
+
+It is a msgspec Struct, so it travels typed inside Submit / NewRequest / DetokRequest (a
+MessagePack map of the fields that differ from their defaults) and is validated once, by
+msgspec's types on decode plus `validate()` for ranges, wherever it is built or received.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import msgspec
 
 from common.errors import InvalidRequest
 
 _GREEDY_EPS = 1e-5
+INT32_MAX = 2**31 - 1  # token counts, ids and top_k travel as int32 further down the line
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -30,7 +36,6 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per token, plus the chosen token
     skip_special_tokens: bool = True
     model: str | None = None  # which served model; None = the only/default one
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,16 +49,18 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def validate(self) -> None:
+        """Raise InvalidRequest naming the field and its allowed range (msgspec wraps it on decode)."""
+
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(f"SamplingParams: {msg}")
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        def is_int(v: Any, lo: int = 0, hi: int = INT32_MAX) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
-        if not is_int(self.n) or self.n < 1 or self.n > 128:
+        if not is_int(self.n, 1, 128):
             raise bad(f"n must be an integer in [1, 128], got {self.n!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             if not is_num(getattr(self, name)):
@@ -62,8 +69,8 @@ class SamplingParams:
             raise bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise bad(f"top_k must be a non-negative integer (0 or -1 disables it), got {self.top_k!r}")
+        if not is_int(self.top_k):
+            raise bad(f"top_k must be a non-negative integer up to {INT32_MAX} (0 or -1 disables it), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
@@ -72,45 +79,45 @@ class SamplingParams:
             raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not -2 <= self.presence_penalty <= 2:
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and not is_int(self.seed, 0, 2**63 - 1):
             raise bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.stop is not None:
-            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise bad(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            if (not isinstance(self.stop, list) or len(self.stop) > 64
+                    or not all(isinstance(s, str) and 0 < len(s) <= 1024 for s in self.stop)):
+                raise bad("stop must be a non-empty string or a list of at most 64 non-empty strings of up to 1024 "
+                          f"characters, got {self.stop!r:.200}")
         if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-                raise bad(f"stop_token_ids must be a list of non-negative token ids, got {self.stop_token_ids!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > 1024
+                    or not all(is_int(t) for t in self.stop_token_ids)):
+                raise bad(f"stop_token_ids must be a list of at most 1024 non-negative token ids up to {INT32_MAX}, "
+                          f"got {self.stop_token_ids!r:.200}")
+        if self.max_tokens is not None and not is_int(self.max_tokens, 1):
+            raise bad(f"max_tokens must be an integer >= 1 and <= {INT32_MAX} (or None), got {self.max_tokens!r}")
+        if not is_int(self.min_tokens):
+            raise bad(f"min_tokens must be an integer >= 0 and <= {INT32_MAX}, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.model is not None and not isinstance(self.model, str):
-            raise bad(f"model must be a string, got {self.model!r}")
+        if self.model is not None and not (isinstance(self.model, str) and len(self.model) <= 256):
+            raise bad(f"model must be a string of at most 256 characters, got {self.model!r:.100}")
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("extra")
-        return d
+        """Every field (lists copied), for JSON and for building a modified copy."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in msgspec.structs.asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, d: Any) -> "SamplingParams":
-        """Build from an untrusted mapping (wire, JSON); unknown keys are an error."""
+    def from_dict(cls, d: Any) -> SamplingParams:
+        """Build from an untrusted mapping (JSON, keyword arguments); unknown keys are an error."""
         if d is None:
             return cls()
         if not isinstance(d, dict):
             raise InvalidRequest(f"SamplingParams: expected a mapping, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        unknown = sorted(str(k) for k in d if k not in known)
+        unknown = sorted(str(k) for k in d if k not in cls.__struct_fields__)
         if unknown:
-            raise InvalidRequest(f"SamplingParams: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        try:
-            return cls(**d)
-        except TypeError as e:  # wrong types that slip past __init__
-            raise InvalidRequest(f"SamplingParams: {e}") from None
+            raise InvalidRequest(f"SamplingParams: unknown field(s) {unknown}; known fields are "
+                                 f"{sorted(cls.__struct_fields__)}")
+        return cls(**d)

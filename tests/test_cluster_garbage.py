@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import protocol as P
+from common import codec
+from common import messages as P
+from common.sampling_params import SamplingParams
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir, tie_free, torch_single_thread  # noqa: F401 (fixture)
 
@@ -105,7 +107,7 @@ class Peer:
         """The next reply, decoded (None when nothing came)."""
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
-        return P.decode(self.sock.recv_multipart())
+        return codec.decode(self.sock.recv_multipart())
 
     def ask(self, frames: list, timeout_s: float = 15.0):
         self.send(frames)
@@ -120,7 +122,7 @@ class Peer:
 
 
 def _body(msg) -> list[bytes]:
-    return [bytes(f) for f in P.encode(msg)]
+    return [bytes(f) for f in codec.encode(msg)]
 
 
 def _submit(request_id: str, **kw) -> list[bytes]:
@@ -137,10 +139,12 @@ def _nested(depth: int):
     return d
 
 
-def _expect_error(reply, *needles: str, code: str = "invalid_request", request_id: str | None = None) -> P.Error:
+def _expect_error(reply, *needles: str, code: str = "invalid_request", request_id: str | None = None,
+                  garbage: bool = False) -> P.Error:
     assert isinstance(reply, P.Error), f"expected an Error, got {reply!r}"
     assert reply.code == code, f"code {reply.code!r} ({reply.message})"
-    assert reply.request_id == request_id, reply
+    # a Submit that does not validate is answered for its request id (r1 in the garbage) when it has one
+    assert reply.request_id in ((None, "r1") if garbage else (request_id,)), reply
     assert 10 <= len(reply.message) <= 1000 and reply.message.isprintable(), f"unreadable message {reply.message!r}"
     msg = reply.message.lower()
     for n in needles:
@@ -197,7 +201,7 @@ def test_client_router_answers_garbage_with_readable_errors(cluster):
         for name, frames, needles in _generic_garbage(random.Random(1)):
             reply = peer.ask(frames)
             try:
-                _expect_error(reply, *needles)
+                _expect_error(reply, *needles, garbage=True)
             except AssertionError as e:
                 raise AssertionError(f"{name}: {e}") from None
 
@@ -211,7 +215,7 @@ def test_client_router_answers_garbage_with_readable_errors(cluster):
             ("neg-temp", {"prompt": "hi", "params": {"temperature": -1.0}}, ("temperature",)),
             ("unknown-field", {"prompt": "hi", "params": {"temprature": 0.5}}, ("unknown field", "temprature")),
             ("bad-type", {"prompt": "hi", "params": {"max_tokens": "many"}}, ("max_tokens",)),
-            ("list-for-int", {"prompt": "hi", "params": {"n": [1, 2]}}, ("n must be",)),
+            ("list-for-int", {"prompt": "hi", "params": {"n": [1, 2]}}, ("params.n", "expected int")),
             ("no-model", {"prompt": "hi", "params": {"model": "no-such-model"}}, ("no-such-model", "not served")),
             ("too-long", {"prompt_token_ids": [5] * MAX_MODEL_LEN}, ("tokens", "max_model_len")),
             ("vocab", {"prompt_token_ids": [5, VOCAB + 7]}, ("token ids", str(VOCAB))),
@@ -220,8 +224,9 @@ def test_client_router_answers_garbage_with_readable_errors(cluster):
         for rid, kw, needles in bad_submits:
             _expect_error(peer.ask(_submit(rid, **kw)), *needles, request_id=rid)
         _expect_error(peer.ask([b"Submit", msgpack.packb(["", "hi", None, {}, False, None])]), "request_id")
-        _expect_error(peer.ask([b"Submit", msgpack.packb(["r", None, None, {}, False, None])]), "prompt")
-        _expect_error(peer.ask([b"Submit", msgpack.packb(["r", "hi", None, {}, False, -1.0])]), "timeout_s")
+        _expect_error(peer.ask([b"Submit", msgpack.packb(["r", None, None, {}, False, None])]), "prompt", request_id="r")
+        _expect_error(peer.ask([b"Submit", msgpack.packb(["r", "hi", None, {}, False, -1.0])]), "timeout_s",
+                      request_id="r")
 
         # ignored without an answer: an Abort for a request nobody runs
         peer.send(_body(P.Abort(request_id="nobody-runs-this")))
@@ -230,13 +235,13 @@ def test_client_router_answers_garbage_with_readable_errors(cluster):
         # the same socket still works: ping, then a real request
         pong = peer.ask(_body(P.Ping(nonce=42)))
         assert isinstance(pong, P.Pong) and pong.nonce == 42
-        peer.send(_submit("fine", prompt_token_ids=[5, 6, 7], params={"temperature": 0.0, "max_tokens": 3}))
+        peer.send(_submit("fine", prompt_token_ids=[5, 6, 7], params=SamplingParams(temperature=0.0, max_tokens=3)))
         toks = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             m = peer.recv(30)
             assert isinstance(m, P.Outputs), m
-            toks += [t for it in m.items for t in it.token_ids.tolist()]
+            toks += [t for it in m.items for t in it.token_ids]
             if any(it.finish_reason for it in m.items):
                 break
         assert len(toks) == 3
@@ -289,30 +294,38 @@ def test_backend_router_answers_garbage_and_refuses_bad_hellos(cluster):
     try:
         for name, frames, needles in _generic_garbage(random.Random(2)):
             try:
-                _expect_error(peer.ask(frames), *needles)
+                _expect_error(peer.ask(frames), *needles, garbage=True)
             except AssertionError as e:
                 raise AssertionError(f"{name}: {e}") from None
 
         # HELLO from an older release: refused, and the reason names the versions
         w = peer.ask(_body(_hello(model=model, protocol_version=0)))
         assert isinstance(w, P.Welcome) and not w.accepted, w
-        assert "protocol version" in w.reason and "0" in w.reason and str(P.PROTOCOL_VERSION) in w.reason, w.reason
-        w = peer.ask(_body(_hello(role="detokenizer", protocol_version=P.PROTOCOL_VERSION + 1)))
-        assert isinstance(w, P.Welcome) and not w.accepted and "protocol version" in w.reason, w
-        # an old HELLO layout (fewer fields) cannot be decoded: the Error says which versions talk
-        old = [b"Hello", msgpack.packb(["worker", 0, "old-worker", "g9"])]
-        _expect_error(peer.ask(old), "hello", "protocol version 0")
+        assert "protocol version" in w.detail and "0" in w.detail and str(codec.PROTOCOL_VERSION) in w.detail, w.detail
+        w = peer.ask(_body(_hello(role="detokenizer", protocol_version=codec.PROTOCOL_VERSION + 1)))
+        assert isinstance(w, P.Welcome) and not w.accepted and "protocol version" in w.detail, w
+        # a short HELLO of another version decodes (trailing fields default): refused by version
+        w = peer.ask([b"Hello", msgpack.packb(["worker", 0, "old-worker", "g9"])])
+        assert isinstance(w, P.Welcome) and not w.accepted and "speaks version 0" in w.detail, w
+        # a protocol v1 HELLO (its layout: memory map last, no dist_init_addr) gets v1's WELCOME
+        # layout, [accepted, reason, ...], so a v1 worker prints the reason and exits
+        v1 = ["worker", 1, "v1-worker", "g9", 0, 1, model, "cpu", "h", 1, 64, 16, 128, {"rss_bytes": 1}]
+        peer.send([b"Hello", msgpack.packb(v1)])
+        assert peer.sock.poll(15000)
+        tag, body = peer.sock.recv_multipart()
+        accepted, reason = msgpack.unpackb(body)[:2]
+        assert tag == b"Welcome" and accepted is False and "protocol version 1" in reason, reason
         # HELLOs the scheduler cannot serve
         w = peer.ask(_body(_hello(model="some-other-model")))
-        assert isinstance(w, P.Welcome) and not w.accepted and "some-other-model" in w.reason, w
+        assert isinstance(w, P.Welcome) and not w.accepted and "some-other-model" in w.detail, w
         w = peer.ask(_body(_hello(model=model, num_kv_blocks=0)))
-        assert isinstance(w, P.Welcome) and not w.accepted and "kv" in w.reason.lower(), w
+        assert isinstance(w, P.Welcome) and not w.accepted and "kv" in w.detail.lower(), w
         w = peer.ask(_body(_hello(model=model, group="g0")))  # rank 0 of g0 is the real worker
-        assert isinstance(w, P.Welcome) and not w.accepted and "already connected" in w.reason, w
+        assert isinstance(w, P.Welcome) and not w.accepted and "already connected" in w.detail, w
 
         # a heartbeat from a worker nobody knows: "say HELLO again"
         w = peer.ask(_body(P.Heartbeat(worker_id="ghost-worker", stats={"steps": 1})))
-        assert isinstance(w, P.Welcome) and not w.accepted and "hello" in w.reason.lower(), w
+        assert isinstance(w, P.Welcome) and not w.accepted and "hello" in w.detail.lower(), w
         # a client message on the backend
         _expect_error(peer.ask(_submit("x", prompt="hi")), "submit is not a worker message", request_id="x")
 
@@ -407,7 +420,7 @@ def test_requests_in_flight_survive_garbage_on_every_socket(cluster, clean_run):
             fake_worker.send(_body(P.ProbeAck(worker_id="g0-r0", probe_id="nope")))
             fake_worker.send(_body(P.Heartbeat(worker_id="g0-r0-nobody", stats={"junk": [1, {"a": None}]})))
             backend_peer.send(_body(_hello(protocol_version=0)))
-            client_peer.send(_submit(f"bad-{rounds}", prompt="x", params={"top_p": 5.0}))
+            client_peer.send([b"Submit", msgpack.packb([f"bad-{rounds}", "x", None, {"top_p": 5.0}])])  # bad params
             client_peer.send(_body(P.Abort(request_id="0#0")))  # someone else's request: not ours to abort
             for p in (port, port + 1, port + 2, port + 3):
                 _raw_tcp_garbage("127.0.0.1", p, rng)
@@ -424,7 +437,7 @@ def test_requests_in_flight_survive_garbage_on_every_socket(cluster, clean_run):
         for peer in (client_peer, backend_peer, fake_worker):
             n = 0
             while peer.sock.poll(200):
-                m = P.decode(peer.sock.recv_multipart())
+                m = codec.decode(peer.sock.recv_multipart())
                 n += 1
                 if isinstance(m, P.Error):
                     assert m.code == "invalid_request", m
@@ -433,7 +446,7 @@ def test_requests_in_flight_survive_garbage_on_every_socket(cluster, clean_run):
             assert n > 0
         assert events.poll(5000), "no stats event on the events PUB"
         topic, kind, body = events.recv_multipart()[:3]
-        ev = P.decode([kind, body])
+        ev = codec.decode([kind, body])
         assert topic == b"stats" and isinstance(ev, P.Event) and ev.kind == "stats"
     finally:
         for p in peers:

@@ -556,7 +556,14 @@ def test_compose_stack_runs_as_local_processes():
         # what Compose would run, after the mapping
         wargv = stack.argv("worker")
         assert wargv[:4] == [sys.executable, "-m", "services.cli", "worker"]
-        assert wargv[wargv.index("--threads") + 1] == "1"  # interpolated from TEST_VARS
+        assert stack.env("worker")["ZEROSERVE_THREADS"] == "1"  # interpolated from TEST_VARS
+        from unittest import mock
+
+        from services.cli import build_parser
+
+        with mock.patch.dict(os.environ, stack.env("worker"), clear=True):  # what the worker's CLI makes of it
+            wargs = build_parser().parse_args(wargv[3:])
+        assert wargs.threads == 1 and wargs.kv_cache_memory_bytes == 32 << 20 and wargs.tp_size == 1
         assert stack.argv("scheduler")[3] == "scheduler"
         senv = stack.env("scheduler")
         assert senv["ZEROSERVE_HOST"] == "127.0.0.1" and senv["ZEROSERVE_PORT"] == str(stack.port)

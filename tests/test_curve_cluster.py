@@ -29,13 +29,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common.errors import ClusterUnavailable, CurveKeyError, ZeroserveError  # noqa: E402
-from common.transport import (  # noqa: E402
-    create_curve_keys,
-    curve_client_keys,
-    curve_server_keys,
-    free_port_block,
-    generate_keys,
-)
+from common.curve import create_curve_keys, curve_client_keys, curve_server_keys, generate_keys  # noqa: E402
+from common.transport import free_port_block  # noqa: E402
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: E402, F401 (fixture)
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: E402, F401 (fixture)
 

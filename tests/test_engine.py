@@ -80,7 +80,7 @@ def spy_schedule(llm: LLM) -> list[dict[str, int]]:
 
     def schedule():
         so = real()
-        steps.append(dict(so.num_scheduled_tokens))
+        steps.append(so.num_scheduled())
         return so
 
     sched.schedule = schedule

@@ -237,18 +237,18 @@ def test_an_exception_inside_a_step_leaves_the_engine_usable():
 def test_runner_refuses_block_ids_outside_the_cache(llm):
     """The kernels index the cache without bounds checks: a bad step is an error, not a crash."""
     from common.sampling_params import SamplingParams as SP
-    from common.step import NewRequestData, SchedulerOutput
+    from common.messages import NewRequest, Step
 
     runner = llm.engine.runner
     bs = runner.block_size
     for block_ids, n_tokens in (([runner.num_blocks], 4),  # past the end
                                 ([-1], 4),  # negative
                                 ([0], bs + 1)):  # more tokens than the blocks hold
-        so = SchedulerOutput(new_reqs=[NewRequestData("bad", list(range(3, 3 + n_tokens)), n_tokens, SP(), 0,
-                                                      block_ids, 0)],
-                             num_scheduled_tokens={"bad": n_tokens})
+        step = Step(seq=1, new_reqs=[NewRequest(req_id="bad", token_ids=list(range(3, 3 + n_tokens)),
+                                                num_prompt_tokens=n_tokens, params=SP(), block_ids=block_ids,
+                                                num_scheduled_tokens=n_tokens)])
         with pytest.raises(ValueError, match="block"):
-            runner.execute(so)
-        runner.apply_state(SchedulerOutput(finished_req_ids=["bad"]))
+            runner.execute(step)
+        runner.apply_state(Step(seq=2, finished_req_ids=["bad"]))
     # the engine still serves
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids

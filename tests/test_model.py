@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from common.errors import ModelLoadError
-from common.model_config import ModelConfig, resolve_dtype
+from common.model_config import ModelConfig
+from services.worker.dtype import resolve_dtype
 from common.tokenizer import load_tokenizer
 from kernels import get_ops
 from services.worker.model import build_model, load_model

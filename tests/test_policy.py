@@ -3,6 +3,7 @@
 import pytest
 
 from common.errors import InvalidRequest
+from common.messages import StepResult
 from common.sampling_params import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import Scheduler
@@ -22,9 +23,9 @@ def req(rid, n_prompt, max_tokens=8, base=100, **kw):
 
 def run_step(s, token=7):
     so = s.schedule()
-    ids = list(so.num_scheduled_tokens)
+    ids = so.req_ids()
     sampled = [token if s.requests[r].num_computed_tokens == s.requests[r].num_tokens else -1 for r in ids]
-    return so, s.update(so, ids, sampled)
+    return so, s.update(so, StepResult(seq=0, req_ids=ids, sampled_token_ids=sampled))
 
 
 def test_block_refcount_and_lru_eviction():
@@ -70,7 +71,7 @@ def test_continuous_batching_respects_budget_and_seats():
     assert so.total_tokens <= 50
     assert len(s.running) <= 3
     # chunked prefill: the second request got only the remaining budget
-    assert so.num_scheduled_tokens == {"r0": 30, "r1": 20}
+    assert so.num_scheduled() == {"r0": 30, "r1": 20}
 
 
 def test_mixed_decode_and_prefill_and_finish_by_length():
@@ -79,7 +80,7 @@ def test_mixed_decode_and_prefill_and_finish_by_length():
     run_step(s)  # prefill a, samples token 1
     s.add_request(req("b", 40, max_tokens=2, base=300))
     so, _ = run_step(s)
-    assert so.num_scheduled_tokens["a"] == 1 and so.num_scheduled_tokens["b"] == 31
+    assert so.num_scheduled()["a"] == 1 and so.num_scheduled()["b"] == 31
     for _ in range(10):
         if not s.has_work():
             break
@@ -136,7 +137,7 @@ def test_prefix_cache_hit_skips_computation():
     s.add_request(Request("b", shared + [4, 5, 6], SamplingParams(max_tokens=1), 0, 1024))
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 64
-    assert so.num_scheduled_tokens["b"] == 3
+    assert so.num_scheduled()["b"] == 3
     assert s.bm.hits == 64
 
 
@@ -150,7 +151,7 @@ def test_n_samples_share_prompt_blocks_without_prefix_cache():
     so = s.schedule()
     # sample 0 computes the prompt; the others share its full blocks in the same step (every
     # layer writes the step's K/V before it attends) and compute only the tail themselves
-    assert so.num_scheduled_tokens == {"x#0": 50, "x#1": 2, "x#2": 2}
+    assert so.num_scheduled() == {"x#0": 50, "x#1": 2, "x#2": 2}
     shared = reqs[0].block_ids[:3]
     assert reqs[1].block_ids[:3] == shared and reqs[2].block_ids[:3] == shared
     assert all(s.bm.ref_cnt[b] == 3 for b in shared)

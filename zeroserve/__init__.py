@@ -1,7 +1,13 @@
 """zeroserve public API."""
 
-from common.errors import (ClusterUnavailable, InvalidRequest, ModelLoadError, Overloaded, RequestTimeout,
-                           ZeroserveError)
+from common.errors import (
+    ClusterUnavailable,
+    InvalidRequest,
+    ModelLoadError,
+    Overloaded,
+    RequestTimeout,
+    ZeroserveError,
+)
 from common.outputs import CompletionOutput, Logprob, RequestOutput
 from common.sampling_params import SamplingParams
 
@@ -16,8 +22,12 @@ def __getattr__(name):  # import heavy parts (torch) only when used
         from zeroserve.llm import LLM
 
         return LLM
-    if name in ("Client", "AsyncClient"):
-        from zeroserve import client
+    if name == "AsyncClient":
+        from zeroserve.client import AsyncClient
 
-        return getattr(client, name)
+        return AsyncClient
+    if name == "Client":
+        from zeroserve.sync_client import Client
+
+        return Client
     raise AttributeError(name)

@@ -62,3 +62,11 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
+        them, through the model's chat template (or `chat_template`, the template's text)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([{"messages": c, "chat_template": chat_template} for c in convs], sampling_params,
+                             use_tqdm=use_tqdm)

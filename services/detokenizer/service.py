@@ -3,7 +3,8 @@
 It holds one IncrementalDetokenizer per live sequence and answers each `DetokTokens` batch
 with one `DetokOutputs`. It keeps no state the scheduler cannot rebuild: after a restart the
 scheduler replays every live sequence (`DetokNew` with the tokens already delivered, fed here
-without emitting text), so streams continue without loss or repeats.
+without emitting text), so streams continue without loss or repeats. Joining, heartbeats (from
+this loop, on the one socket) and noticing a restarted scheduler are `services.backend_peer`'s.
 """
 
 from __future__ import annotations
@@ -12,19 +13,22 @@ import os
 import signal
 import socket
 import threading
-import time
 import uuid
 
 import zmq
 
-from common import protocol as P
+from common import messages as P
+from common.codec import ProtocolError
+from common.config import DetokenizerArgs, from_cli_args
+from common.curve import curve_client_keys
 from common.detokenize import IncrementalDetokenizer
 from common.errors import InvalidRequest
 from common.log import get_logger, setup_logging
 from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_tokenizer
-from common.transport import curve_client_keys, make_socket
+from services.backend_peer import BackendPeer, Refused
+from services.tiny_model import default_model_dir
 
 log = get_logger("detokenizer")
 
@@ -55,86 +59,63 @@ class DetokenizerService:
 
     def run(self) -> int:
         ctx = zmq.Context()
-        # IMMEDIATE: no heartbeats pile up while the scheduler is away (each would be refused later)
-        sock = make_socket(ctx, zmq.DEALER, connect=self.scheduler_addr, identity=self.worker_id, immediate=True,
-                           **(self.curve.socket_kwargs() if self.curve else {}))
+        # IMMEDIATE: HELLOs and heartbeats are only queued on a live connection (none pile up for a
+        # scheduler that is away, each to be answered "rejoin" later)
+        peer = BackendPeer(ctx, self.scheduler_addr, self.worker_id, role="detokenizer", curve=self.curve,
+                           heartbeat_interval_s=self.hb_interval, immediate=True)
         try:
-            self._hello(sock)
-            last_hb = 0.0
-            while not self.stop.is_set():
-                now = time.monotonic()
-                if now - last_hb >= self.hb_interval:
-                    last_hb = now
-                    try:
-                        sock.send_multipart(P.encode(P.Heartbeat(worker_id=self.worker_id,
-                                                                 stats={"live": len(self.states)})), zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass  # not connected: nobody to tell
-                if not sock.poll(int(self.hb_interval * 1000)):
-                    continue
-                for _ in range(1000):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg = P.decode(frames)
-                    except P.ProtocolError as e:
-                        log.warning("bad message dropped", reason=e.reason)
-                        continue
-                    reply = self.handle(msg)
-                    if isinstance(reply, P.Welcome):  # the scheduler restarted: start over
-                        self.states.clear()
-                        self._hello(sock)
-                    elif reply is not None:
-                        sock.send_multipart(P.encode(reply))
+            while self._join(peer):
+                self._serve(peer)
         finally:
-            try:
-                sock.send_multipart(P.encode(P.Goodbye(worker_id=self.worker_id, reason="stopping")), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            sock.close(linger=0)
+            peer.goodbye("stopping")
+            peer.close()
             ctx.term()
         return 0
 
-    def _hello(self, sock: zmq.Socket) -> None:
-        unreachable_since, told = time.monotonic(), False
+    def _hello(self) -> P.Hello:
+        return P.Hello(role="detokenizer", worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
+                       model=self.default or "")
+
+    def _join(self, peer: BackendPeer) -> bool:
+        """Until welcomed (True) or told to stop (False); a refusal is retried: the scheduler may
+        be restarting with other settings."""
         while not self.stop.is_set():
-            try:  # NOBLOCK (IMMEDIATE socket): a blocking send would hang while the scheduler is away or
-                # refuses our CURVE key, and SIGTERM could not stop us
-                sock.send_multipart(P.encode(P.Hello(role="detokenizer", worker_id=self.worker_id,
-                                                     host=socket.gethostname(), pid=os.getpid(),
-                                                     model=self.default or "")), zmq.NOBLOCK)
-            except zmq.Again:
-                if not told and time.monotonic() - unreachable_since > 5.0:
-                    told = True
-                    log.info("cannot reach the scheduler yet; retrying" + (
-                        " (CURVE: is this detokenizer's key allowed, and server.key the scheduler's?)" if self.curve
-                        else " (does the scheduler use CURVE? then pass --curve-keys)"),
-                        scheduler=self.scheduler_addr, curve_client=self.curve.name if self.curve else None)
-                time.sleep(0.1)
+            try:  # what arrives meanwhile comes from before a restart: answer it
+                welcome = peer.join(self._hello, self.stop, on_message=lambda msg: self._answer(peer, msg))
+                if welcome is not None:
+                    log.info("connected", scheduler=welcome.scheduler_id)
+                    return True
+            except Refused as e:
+                log.warning("refused by the scheduler", reason=e.detail)
+                self.stop.wait(1.0)
+        return False
+
+    def _serve(self, peer: BackendPeer) -> None:
+        """Answer the scheduler until told to stop, or until it no longer knows us (then start over)."""
+        while not self.stop.is_set():
+            wait = peer.maybe_heartbeat(lambda: {"live": len(self.states)})
+            if not peer.ch.poll(wait):
                 continue
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and not self.stop.is_set():
-                if not sock.poll(200):
-                    continue
+            for _ in range(1000):
                 try:
-                    msg = P.decode(sock.recv_multipart())
-                except P.ProtocolError:
+                    got = peer.ch.recv_nowait()
+                except ProtocolError as e:
+                    log.warning("bad message dropped", reason=e.reason)
                     continue
-                if isinstance(msg, P.Welcome):
-                    if msg.accepted:
-                        log.info("connected", scheduler=msg.scheduler_id)
-                        return
-                    if msg.reason.startswith("unknown worker"):
-                        continue  # the answer to a heartbeat sent before this HELLO
-                    log.warning("refused by the scheduler", reason=msg.reason)
-                    time.sleep(1.0)
+                if got is None:
                     break
-                if isinstance(msg, (P.DetokNew, P.DetokTokens, P.DetokFree)):  # from before a restart
-                    reply = self.handle(msg)
-                    if reply is not None:
-                        sock.send_multipart(P.encode(reply))
+                if peer.note(got[1]):  # the scheduler restarted: it replays what is live after our HELLO
+                    peer.rejoin.clear()
+                    self.states.clear()
+                    self.skip.clear()
+                    self.owed.clear()
+                    return
+                self._answer(peer, got[1])
+
+    def _answer(self, peer: BackendPeer, msg) -> None:
+        reply = self.handle(msg)
+        if reply is not None:
+            peer.ch.send(reply)
 
     def _reconcile(self, rid: str, text: str) -> str:
         if rid in self.owed:
@@ -150,11 +131,11 @@ class DetokenizerService:
         return text
 
     def handle(self, msg):
-        """Apply one message; returns the reply to send (or a refusal meaning 'say hello again')."""
+        """Apply one message; returns the reply to send, if any."""
         if isinstance(msg, P.DetokNew):
             for item in msg.items:
                 try:
-                    params = SamplingParams.from_dict(item.params)
+                    params = item.params
                     det = IncrementalDetokenizer(self._tokenizer(params), item.prompt_token_ids.tolist(), params)
                 except InvalidRequest as e:
                     log.warning("cannot detokenize request", req=item.req_id, reason=str(e))
@@ -196,8 +177,6 @@ class DetokenizerService:
                 self.skip.pop(rid, None)
                 self.owed.pop(rid, None)
             return None
-        if isinstance(msg, P.Welcome) and not msg.accepted:
-            return msg
         if isinstance(msg, P.Error):
             log.warning("scheduler reported an error", code=msg.code, message=msg.message)
         return None
@@ -205,12 +184,10 @@ class DetokenizerService:
 
 def main(args) -> int:
     setup_logging(service="detokenizer")
-    from services.engine import default_model_dir
-
-    models = args.model or [str(default_model_dir())]
-    svc = DetokenizerService(args.scheduler, models, worker_id=args.worker_id,
-                             curve_keys=getattr(args, "curve_keys", None),
-                             curve_client=getattr(args, "curve_client", None))
+    dargs = from_cli_args(DetokenizerArgs, args)
+    svc = DetokenizerService(dargs.scheduler, dargs.models or [str(default_model_dir())], worker_id=dargs.worker_id,
+                             heartbeat_interval_s=dargs.heartbeat_interval_s, curve_keys=dargs.curve_keys,
+                             curve_client=dargs.curve_client)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop.set())
     signal.signal(signal.SIGINT, lambda *_: svc.stop.set())
     return svc.run()

@@ -1,9 +1,21 @@
-"""Admission checks and seeds, shared by the in-process engine and the scheduler process."""
+"""Request logic with one home: prompt forms and checks, seeds and the n-way fan-out.
+
+The in-process engine, the scheduler process and the client all call these, so a prompt is
+accepted or refused, and a request's sequences are seeded, the same way on every path.
+"""
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
+import numpy as np
+
 from common.errors import InvalidRequest
-from common.sampling_params import SamplingParams
+from common.sampling_params import INT32_MAX, SamplingParams
+from services.scheduler.request import Request
+
+EMPTY_PROMPT = "the prompt is empty; send some text or token ids"
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -15,33 +27,76 @@ def child_seed(seed: int, index: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def validate_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
-    """Accept a string, a list of token ids or {"prompt_token_ids": [...]}; return (text, ids)."""
+def split_prompt(prompt: Any, vocab_size: int | None = None) -> tuple[str | None, np.ndarray | None]:
+    """The prompt forms every entry point takes: text, a list of token ids, or a dict with
+    ``prompt_token_ids`` or ``prompt``. Returns (text, None) or (None, int32 ids); ids are
+    checked against the vocabulary when it is known (the client does not know it)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
+            prompt = prompt["prompt_token_ids"]
         elif "prompt" in prompt:
-            return validate_prompt(prompt["prompt"], tokenizer, vocab_size)
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequest(f"a dict prompt's 'prompt' must be text, got {type(prompt).__name__}")
         else:
             raise InvalidRequest("a dict prompt needs 'prompt_token_ids' (a list of token ids) or 'prompt' (text)")
-    elif isinstance(prompt, str):
+    if isinstance(prompt, str):
         if not prompt:
-            raise InvalidRequest("the prompt is empty; send some text or token ids")
-        return prompt, tokenizer.encode(prompt)
-    else:
-        ids = prompt
-    if not isinstance(ids, (list, tuple)) or not ids:
-        raise InvalidRequest("prompt token ids must be a non-empty list of integers")
-    check_token_ids(ids, vocab_size, "prompt token ids")
-    return None, list(ids)
+            raise InvalidRequest(EMPTY_PROMPT)
+        return prompt, None
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        raise InvalidRequest(f"a prompt is text, a list of token ids or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                                                  for t in prompt):
+        raise InvalidRequest("prompt token ids must be a non-empty flat list of integers")
+    try:
+        arr = np.asarray(prompt)
+    except (ValueError, OverflowError):
+        arr = np.asarray([], dtype=object)
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+        raise InvalidRequest("prompt token ids must be a non-empty flat list of integers")
+    hi = INT32_MAX + 1 if vocab_size is None else vocab_size
+    if int(arr.min()) < 0 or int(arr.max()) >= hi:
+        raise InvalidRequest(f"prompt token ids must be integers in [0, {hi})"
+                             + (" (and below the model's vocab size)" if vocab_size is None else " for this model"))
+    return None, arr.astype(np.int32)
 
 
-def check_token_ids(ids, vocab_size: int, what: str) -> None:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+def check_token_ids(ids: Any, vocab_size: int, what: str) -> None:
+    a = np.asarray(ids)
+    if a.size and (a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) >= vocab_size):
         raise InvalidRequest(f"{what} must be integers in [0, {vocab_size}) for this model")
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens == 0:
+        raise InvalidRequest(EMPTY_PROMPT)
+    if num_tokens >= max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {num_tokens} tokens but this model serves at most {max_model_len} tokens in total "
+            "(max_model_len, capped by the KV cache); shorten the prompt so at least one token can be generated")
+
+
+def check_prompt_ids(ids: Any, vocab_size: int, max_model_len: int) -> None:
+    """A tokenized prompt fits the model: non-empty, in its vocabulary, room to generate."""
+    check_prompt_length(len(ids), max_model_len)
+    check_token_ids(ids, vocab_size, "prompt token ids")
 
 
 def check_params_for_model(params: SamplingParams, vocab_size: int) -> None:
     """What SamplingParams cannot check alone: ids must exist in this model's vocabulary."""
     if params.stop_token_ids:
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+
+
+def fan_out(key: str, ids: list[int], params: SamplingParams, rng: random.Random, max_model_len: int) -> list[Request]:
+    """The n sequences of request `key` (ids `key#i`): one seed for the request (the user's, or
+    drawn), a derived one per sample, and prompt blocks shared among siblings."""
+    seed = params.seed if params.seed is not None else rng.getrandbits(63)
+    reqs = [Request(f"{key}#{i}", ids, params, child_seed(seed, i), max_model_len, client_id=key, index=i)
+            for i in range(params.n)]
+    if params.n > 1:
+        for r in reqs:
+            r.siblings = reqs
+    return reqs

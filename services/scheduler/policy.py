@@ -17,7 +17,10 @@ import bisect
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
-from common.step import CachedRequestData, NewRequestData, SchedulerOutput
+from services.scheduler.admission import check_prompt_length
+import numpy as np
+
+from common.messages import CachedRequests, NewRequest, Step, StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, Status
 
@@ -30,6 +33,26 @@ class TokenEvent:
     token_id: int
     logprobs: tuple | None  # (token_ids row, logprobs row, rank) for this token, or None
     finished: bool
+
+
+class _StepBuilder:
+    """Collects one step's requests; `build()` makes the Step message (columnar for the running ones)."""
+
+    def __init__(self, finished_req_ids: list[str]) -> None:
+        self.new: list[NewRequest] = []
+        self.cached: list[tuple[str, int, int, list[int]]] = []  # req_id, computed, scheduled, new blocks
+        self.finished = finished_req_ids
+
+    def drop(self, req_id: str) -> None:
+        """A request preempted in this very step leaves it (the worker may still hold it: finished)."""
+        self.cached = [c for c in self.cached if c[0] != req_id]
+        self.new = [n for n in self.new if n.req_id != req_id]
+        self.finished.append(req_id)
+
+    def build(self) -> Step:
+        c = self.cached
+        cached = CachedRequests.build([x[0] for x in c], [x[1] for x in c], [x[2] for x in c], [x[3] for x in c])
+        return Step(seq=0, new_reqs=self.new, cached=cached, finished_req_ids=self.finished)
 
 
 class Scheduler:
@@ -49,17 +72,8 @@ class Scheduler:
         self.num_computed_tokens_total = 0  # tokens actually run through the model
 
     # ---- admission --------------------------------------------------------------------------
-    def check_prompt(self, num_prompt_tokens: int) -> None:
-        if num_prompt_tokens == 0:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {num_prompt_tokens} tokens but this model serves at most "
-                f"{self.max_model_len} tokens in total (max_model_len, capped by the KV cache); "
-                "shorten the prompt so at least one token can be generated")
-
     def add_request(self, req: Request) -> None:
-        self.check_prompt(req.num_prompt_tokens)
+        check_prompt_length(req.num_prompt_tokens, self.max_model_len)
         if req.req_id in self.requests:
             raise InvalidRequest(f"request id {req.req_id!r} is already in use")
         req.max_len = min(req.max_len, self.max_model_len)
@@ -82,8 +96,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._dropped)
+    def schedule(self) -> Step:
+        """The next step (seq 0, no group: the caller numbers and addresses it)."""
+        out = _StepBuilder(self._dropped)
         self._dropped = []
         budget = self.max_num_batched_tokens
         preempted = False
@@ -105,8 +120,8 @@ class Scheduler:
             if req.status != Status.RUNNING:
                 break
             new_blocks = self.bm.allocate(req, num_new)
-            out.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
-            self._commit(req, num_new, out)
+            out.cached.append((req.req_id, req.num_computed_tokens, num_new, new_blocks))
+            self._commit(req, num_new)
             budget -= num_new
             i += 1
 
@@ -134,15 +149,16 @@ class Scheduler:
                 self.bm.allocate(req, num_new)
                 req.status = Status.RUNNING
                 self.running.append(req)
-                out.new_reqs.append(NewRequestData(
-                    req.req_id, list(req.token_ids), req.num_prompt_tokens, req.params, req.seed,
-                    list(req.block_ids), req.num_computed_tokens))
-                self._commit(req, num_new, out)
+                out.new.append(NewRequest(
+                    req_id=req.req_id, token_ids=np.asarray(req.token_ids, np.int32),
+                    num_prompt_tokens=req.num_prompt_tokens, params=req.params, seed=req.seed,
+                    block_ids=np.asarray(req.block_ids, np.int32), num_computed_tokens=req.num_computed_tokens,
+                    num_scheduled_tokens=num_new))
+                self._commit(req, num_new)
                 budget -= num_new
-        return out
+        return out.build()
 
-    def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
-        out.num_scheduled_tokens[req.req_id] = num_new
+    def _commit(self, req: Request, num_new: int) -> None:
         req.num_computed_tokens += num_new
         self.num_computed_tokens_total += num_new
         self.bm.commit_full_blocks(req, req.num_computed_tokens)
@@ -165,24 +181,23 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
         return False
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: _StepBuilder) -> None:
         self.bm.release(req)
         req.num_computed_tokens = 0
         req.status = Status.PREEMPTED
         self.num_preemptions += 1
-        # the worker may hold this request from an earlier step (or this one)
-        out.num_scheduled_tokens.pop(req.req_id, None)
-        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != req.req_id]
-        out.new_reqs = [n for n in out.new_reqs if n.req_id != req.req_id]
-        out.finished_req_ids.append(req.req_id)
+        out.drop(req.req_id)  # the worker may hold it from an earlier step (or this one)
         self._enqueue(req)
 
     # ---- results ----------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, req_ids: list[str], sampled: list[int],
-               logprobs: list | None = None) -> list[TokenEvent]:
-        """Accept the worker's sampled tokens (-1 = no sample for that request this step)."""
+    def update(self, step: Step, result: StepResult) -> list[TokenEvent]:
+        """Accept the worker's sampled tokens for `step` (-1 = no sample for that request this step)."""
         events: list[TokenEvent] = []
-        for k, (rid, tok) in enumerate(zip(req_ids, sampled)):
+        logprobs = None
+        if result.logprobs is not None:
+            ranks = result.ranks if result.ranks is not None else np.zeros(len(result.req_ids), np.int32)
+            logprobs = list(zip(result.logprob_token_ids, result.logprobs, ranks.tolist()))
+        for k, (rid, tok) in enumerate(zip(result.req_ids, result.sampled_token_ids.tolist())):
             if tok < 0:
                 continue
             req = self.requests.get(rid)

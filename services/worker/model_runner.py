@@ -8,16 +8,16 @@ to its own copy of each sequence, so decode steps need no token ids from the sch
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.config import EngineArgs
-from common.model_config import ModelConfig, resolve_dtype
+from common.messages import Step, StepResult
+from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
 from kernels import AttentionMetadata, get_ops, resolve_backend
-from common.step import SchedulerOutput
+from services.worker.dtype import resolve_dtype
 from services.worker.model import load_model
 from services.worker.sampler import SamplingTensors, sample
 
@@ -36,17 +36,6 @@ class _ReqState:
         self.num_computed = num_computed
 
 
-@dataclass
-class RunnerOutput:
-    req_ids: list[str]
-    sampled_token_ids: np.ndarray  # [B] int32, -1 where the request did not sample this step
-    logprob_token_ids: np.ndarray | None = None  # [B, 1+k] int32 (col 0 = sampled token)
-    logprobs: np.ndarray | None = None  # [B, 1+k] float32
-    ranks: np.ndarray | None = None  # [B] int32
-    num_tokens: int = 0
-    step_time_s: float = 0.0
-
-
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, device: str | None = None) -> None:
@@ -57,8 +46,10 @@ class ModelRunner:
         self.backend = resolve_backend(args.attention_backend, self.device)
         self.ops = get_ops(self.backend, self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # quantization: None/"auto" | "none" | "int8" | "int4" (services/worker/model/quantize.py)
         self.model = load_model(model_cfg, self.device, self.dtype, self.ops, tp_rank=tp_rank,
-                                tp_size=tp_size, tp_group=tp_group)
+                                tp_size=tp_size, tp_group=tp_group,
+                                quantization=getattr(args, "quantization", None))
         self.block_size = args.block_size
         self.num_blocks = self._kv_capacity()
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
@@ -77,7 +68,7 @@ class ModelRunner:
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
 
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.model.weight_bytes()  # float parameters + packed (quantized) weights
 
     def _kv_capacity(self) -> int:
         a = self.args
@@ -97,28 +88,34 @@ class ModelRunner:
         return int(blocks)
 
     # ---- one step ---------------------------------------------------------------------------
-    def apply_state(self, so: SchedulerOutput) -> None:
-        for rid in so.finished_req_ids:
+    def apply_state(self, step: Step) -> None:
+        for rid in step.finished_req_ids:
             self.reqs.pop(rid, None)
-        for n in so.new_reqs:
-            self.reqs[n.req_id] = _ReqState(n.token_ids, n.num_prompt_tokens, n.params, n.seed,
-                                            n.block_ids, n.num_computed_tokens)
-        for c in so.cached_reqs:
-            st = self.reqs[c.req_id]
-            st.block_ids.extend(c.new_block_ids)
-            st.num_computed = c.num_computed_tokens
+        for n in step.new_reqs:
+            self.reqs[n.req_id] = _ReqState(n.token_ids.tolist(), n.num_prompt_tokens, n.params, n.seed,
+                                            n.block_ids.tolist(), n.num_computed_tokens)
+        c = step.cached
+        for rid, computed, blocks in zip(c.req_ids, c.num_computed_tokens.tolist(), c.blocks_per_request()):
+            st = self.reqs.get(rid)
+            if st is None:
+                raise ValueError(f"step names request {rid!r}, which this worker does not hold")
+            st.block_ids.extend(blocks.tolist())
+            st.num_computed = computed
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+    def execute(self, step: Step) -> StepResult:
+        """Run one step; the result has one entry per request in `step.req_ids()` order."""
         t0 = time.perf_counter()
-        self.apply_state(so)
-        req_ids = list(so.num_scheduled_tokens)
+        self.apply_state(step)
+        req_ids = step.req_ids()
         if not req_ids:
-            return RunnerOutput([], np.zeros(0, np.int32))
+            return StepResult(seq=step.seq)
         states = [self.reqs[r] for r in req_ids]
         B = len(states)
         bs = self.block_size
-        counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, B)
+        counts = np.concatenate([step.cached.num_scheduled_tokens.astype(np.int64),
+                                 np.fromiter((n.num_scheduled_tokens for n in step.new_reqs), np.int64,
+                                             len(step.new_reqs))])
         starts = np.fromiter((s.num_computed for s in states), np.int64, B)
         seq_lens = starts + counts
         qsl = np.zeros(B + 1, np.int64)
@@ -160,7 +157,7 @@ class ModelRunner:
                             torch.from_numpy(positions).to(dev, non_blocking=True), self.kv_caches, meta)
 
         sampled_all = np.full(B, -1, np.int32)
-        out = RunnerOutput(req_ids, sampled_all, num_tokens=T)
+        out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=sampled_all, num_tokens=T)
         if len(sample_rows):
             idx = torch.from_numpy(qsl[1:][sample_rows] - 1).to(dev)
             logits = self.model.compute_logits(hidden.index_select(0, idx))

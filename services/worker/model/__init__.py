@@ -1,12 +1,16 @@
-"""Our model code (Llama / Mistral / Qwen2 / Qwen3) and its safetensors loader.
+"""Our model code (Llama / Mistral / Qwen2 / Qwen3) and its safetensors and GGUF loaders.
 
-    model = load_model(cfg, device, dtype, ops, tp_rank=0, tp_size=1, tp_group=None)
+    model = load_model(cfg, device, dtype, ops, tp_rank=0, tp_size=1, tp_group=None, quantization=None)
     model = build_model(cfg, device, dtype, ops, ..., init="random", seed=0)   # no files
     hidden = model(input_ids[T], positions[T], kv_caches, meta)      # -> [T, hidden]
     logits = model.compute_logits(hidden[N, H])                      # -> [N, vocab] float32
 
 `kv_caches[i] = (k_cache, v_cache)`, each `[num_blocks, block_size, model.num_kv_heads, model.head_dim]`
 (num_kv_heads is per tensor-parallel shard). `ops = kernels.get_ops(backend, device)`.
+
+`quantization` (services/worker/model/quantize.py): None/"auto" keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K
+weights packed (safetensors: floats), "none" dequantizes everything at load, "int8"/"int4"
+quantize every linear at load. `model.weight_bytes()` is what the weights occupy (packed sizes).
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from common.errors import ModelLoadError
-from common.model_config import ModelConfig
+from common.model_config import ModelConfig, resolve_model_path
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_weights
+from services.worker.model.quantize import QUANTIZATIONS, resolve_quantization
 
-__all__ = ["CausalLM", "build_model", "load_model"]
+__all__ = ["QUANTIZATIONS", "CausalLM", "build_model", "load_model"]
 
 INITS = ("random", "empty", "none")
 
@@ -58,10 +63,19 @@ def _random_init(model: CausalLM, seed: int) -> None:
 
 
 def load_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int = 0, tp_size: int = 1,
-               tp_group=None) -> CausalLM:
-    """Build this shard's model and fill it from the safetensors files in `cfg.model_dir`."""
+               tp_group=None, quantization: str | None = None) -> CausalLM:
+    """Build this shard's model and fill it from `cfg.model_dir`: safetensors files, or a .gguf file.
+
+    quantization: None/"auto" (GGUF: packed where a kernel exists), "none", "int8" or "int4"."""
     if not cfg.model_dir:
         raise ModelLoadError("ModelConfig has no model_dir to load weights from (use build_model for random weights)")
+    quantization = resolve_quantization(quantization)
+    kind, path = resolve_model_path(cfg.model_dir)
     model = build_model(cfg, device, dtype, ops, tp_rank, tp_size, tp_group, init="empty")
-    load_weights(model, cfg.model_dir)
+    if kind == "gguf":  # imported here: only GGUF models need the gguf package
+        from services.worker.model.gguf_loader import load_gguf_weights
+
+        load_gguf_weights(model, path, quantization)
+    else:
+        load_weights(model, cfg.model_dir, quantization)
     return model

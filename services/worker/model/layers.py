@@ -7,6 +7,14 @@ need no communication; row-parallel layers hold a slice of the input columns and
 their partial sums; the embedding and LM head split the (padded) vocabulary into equal shards.
 Parameters are created empty (or random) on the target device; the loader fills each one with
 exactly this shard's slice of the checkpoint tensor.
+
+Quantized weights: every linear (and the embedding / LM head) is a `QuantizableWeight`: it holds
+either the float `weight` parameter or, after `set_quantized(qw)`, a packed
+`kernels.quant.QuantizedWeight` of the same shard (the float parameter is dropped). The matmul
+then reads the packed bytes through `QuantizedWeight.linear` (the compiled kernel on CPU,
+dequantize-then-matmul elsewhere). A quantized embedding looks its rows up by dequantizing only
+the gathered rows, so a tied LM head and the embedding share one packed copy. Vocab shards keep
+only their real rows packed; the LM head pads the logits of a shard's padding rows with zeros.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import ModelLoadError
+from kernels.quant import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -68,8 +77,44 @@ class WeightSource:
     dst_start: int = 0  # offset along the param's dim `src_dim` where this piece goes
 
 
+# --------------------------------------------------------------------------- quantized weights
+class QuantizableWeight(nn.Module):
+    """A module whose `weight` [rows, cols] may be replaced by a packed QuantizedWeight."""
+
+    qweight: QuantizedWeight | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.qweight is not None
+
+    def packed_shape(self) -> tuple[int, int]:
+        """The shape a packed weight of this shard has: the parameter's (vocab shards: real rows only)."""
+        rows, cols = self.weight.shape if self.qweight is None else (self._packed_rows, self.qweight.shape[1])
+        return getattr(self, "real_rows", rows), cols
+
+    def set_quantized(self, qw: QuantizedWeight) -> None:
+        """Hold `qw` (this shard's weight) instead of the float parameter, which is dropped."""
+        want = self.packed_shape()
+        if tuple(qw.shape) != want or want[0] == 0:
+            raise ValueError(f"{type(self).__name__}: quantized weight {list(qw.shape)} does not fit {list(want)}")
+        self._parameters.pop("weight", None)
+        self.qweight = qw
+        self._packed_rows = want[0]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.linear(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def float_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as floats: the parameter itself, or the packed weight dequantized."""
+        if self.qweight is None:
+            return self.weight if dtype is None else self.weight.to(dtype)
+        return self.qweight.dequantize(dtype or torch.float32)
+
+
 # --------------------------------------------------------------------------- linears
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(QuantizableWeight):
     """y = x @ W_shard^T (+ b_shard); W_shard holds this rank's slice of each merged output part.
 
     `part_sizes` are the full output sizes of the parts merged into one matmul (e.g. q, k, v or
@@ -88,7 +133,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((out,), device, dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def sources(self, hf_names: list[str], what: str = "weight") -> list[WeightSource]:
         """Checkpoint pieces for `weight` or `bias`, one per merged part (HF names given per part)."""
@@ -100,7 +145,7 @@ class ColumnParallelLinear(nn.Module):
         return out
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableWeight):
     """y = all_reduce(x_shard @ W[:, shard]^T): input features split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPInfo, device, dtype, what: str = "input size",
@@ -114,7 +159,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), device, dtype) if bias else None  # added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
     def sources(self, hf_name: str) -> list[WeightSource]:
@@ -126,9 +171,10 @@ class RowParallelLinear(nn.Module):
 
 
 # --------------------------------------------------------------------------- vocab
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(QuantizableWeight):
     """Embedding whose rows are split across ranks; the vocab is padded up to a multiple of
-    tp_size (padding rows are zero and never looked up / cut from the logits)."""
+    tp_size (padding rows are zero and never looked up / cut from the logits). Quantized, it
+    holds only the shard's real rows and dequantizes the rows it looks up."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPInfo, device, dtype):
         super().__init__()
@@ -139,14 +185,22 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = padded // tp.size
         self.start = tp.rank * self.shard_size
         self.end = self.start + self.shard_size
+        self.real_rows = max(0, min(self.end, vocab_size) - self.start)
+        self.dtype = dtype
         self.weight = _param((self.shard_size, hidden), device, dtype)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return F.embedding(ids, self.weight)
+        rows = self.qweight.select_rows(ids.reshape(-1)).dequantize(self.dtype)
+        return rows.reshape(*ids.shape, self.hidden)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         in_shard = (ids >= self.start) & (ids < self.end)
         local = torch.where(in_shard, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight)
+        out = self._lookup(local)
         out = out * in_shard.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
@@ -155,8 +209,9 @@ class VocabParallelEmbedding(nn.Module):
         return [WeightSource(hf_name, (self.vocab_size, self.hidden), 0, self.start, real, 0)]
 
 
-class ParallelLMHead(nn.Module):
-    """logits = hidden @ W^T with W's vocab rows split across ranks; gathered to the full vocab."""
+class ParallelLMHead(QuantizableWeight):
+    """logits = hidden @ W^T with W's vocab rows split across ranks; gathered to the full vocab.
+    Tied, it uses the embedding's weight (float or packed)."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPInfo, device, dtype,
                  tied_to: VocabParallelEmbedding | None = None):
@@ -168,6 +223,7 @@ class ParallelLMHead(nn.Module):
         self.shard_size = padded // tp.size
         self.start = tp.rank * self.shard_size
         self.end = self.start + self.shard_size
+        self.real_rows = max(0, min(self.end, vocab_size) - self.start)
         self.tied = tied_to is not None
         if tied_to is not None:
             self._embed = [tied_to]  # a list keeps it out of this module's parameters
@@ -175,10 +231,16 @@ class ParallelLMHead(nn.Module):
             self.weight = _param((self.shard_size, hidden), device, dtype)
 
     def get_weight(self) -> torch.Tensor:
-        return self._embed[0].weight if self.tied else self.weight
+        return self.weight_module().float_weight()
+
+    def weight_module(self) -> QuantizableWeight:
+        """The module that holds the LM head's weight: the embedding when tied, else this."""
+        return self._embed[0] if self.tied else self
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.get_weight()).float()
+        logits = self.weight_module().matmul(hidden).float()
+        if logits.shape[-1] < self.shard_size:  # packed vocab shard: real rows only
+            logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
 

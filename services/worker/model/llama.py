@@ -16,6 +16,7 @@ from common.model_config import ModelConfig
 from services.worker.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
+    QuantizableWeight,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -187,6 +188,25 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[N, H] -> logits[N, vocab_size] float32 over the full vocabulary."""
         return self.lm_head(hidden)
+
+    def quantizable(self) -> dict[str, QuantizableWeight]:
+        """Parameter name -> the module holding it, for every weight that may be packed: the
+        decoder's linears, the embedding and (untied) the LM head."""
+        return {f"{name}.weight": m for name, m in self.named_modules()
+                if isinstance(m, QuantizableWeight) and not getattr(m, "tied", False)}
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy: float parameters plus packed weights (each counted once)."""
+        n = sum(p.numel() * p.element_size() for p in self.parameters())
+        return n + sum(m.qweight.nbytes for m in self.quantizable().values() if m.qweight is not None)
+
+    def quant_summary(self) -> dict[str, int]:
+        """Weight format -> how many of `quantizable()` hold it ("float" for unpacked ones)."""
+        out: dict[str, int] = {}
+        for m in self.quantizable().values():
+            key = m.qweight.format if m.qweight is not None else "float"
+            out[key] = out.get(key, 0) + 1
+        return out
 
     def weight_sources(self) -> dict[str, list[WeightSource]]:
         """Our parameter name -> checkpoint pieces that fill it (this shard's slices only)."""

@@ -60,8 +60,14 @@ def _slice_index(src: WeightSource, ndim: int):
 
 
 @torch.no_grad()
-def load_weights(model, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the safetensors files in `model_dir`."""
+def load_weights(model, model_dir: str | Path, quantization: str | None = None) -> None:
+    """Fill every parameter of `model` from the safetensors files in `model_dir`; with
+    quantization "int8"/"int4" each linear is quantized as soon as its slice is read
+    (services/worker/model/quantize.py)."""
+    from services.worker.model import quantize as Q
+
+    quantization = Q.resolve_quantization(quantization)
+    targets = Q.int_targets(model, quantization)
     files = weight_files(model_dir)
     params = dict(model.named_parameters())
     sources = model.weight_sources()
@@ -80,6 +86,12 @@ def load_weights(model, model_dir: str | Path) -> None:
                     f"(needed for {model.cfg.architecture})"
                 )
             by_file[f].append((pname, src))
+    left = {pname: len(srcs) for pname, srcs in sources.items()}
+
+    def done(pname: str) -> None:
+        left[pname] -= 1
+        if left[pname] == 0 and pname in targets:
+            Q.quantize_module(pname, *targets[pname], model.device)
 
     for f, items in by_file.items():
         try:
@@ -97,17 +109,19 @@ def load_weights(model, model_dir: str | Path) -> None:
                         f"expected {list(src.full_shape)} from config.json"
                     )
                 idx, length = _slice_index(src, len(shape))
-                if length == 0:  # a shard made only of vocab padding
-                    continue
-                dst = param.data.narrow(src.src_dim, src.dst_start, length)
-                dst.copy_(sl[idx].to(dtype=param.dtype))
+                if length:  # 0: a shard made only of vocab padding
+                    dst = param.data.narrow(src.src_dim, src.dst_start, length)
+                    dst.copy_(sl[idx].to(dtype=param.dtype))
+                done(pname)
     # vocab padding rows (and anything the sources did not cover along the split dim) are zero
     _zero_vocab_padding(model)
+    if quantization != "auto" and quantization != "none":
+        Q.log_summary(model, quantization, str(model_dir))
 
 
 def _zero_vocab_padding(model) -> None:
     for mod in (model.embed_tokens, model.lm_head):
-        if getattr(mod, "tied", False):
+        if getattr(mod, "tied", False) or mod.quantized:  # packed: real rows only
             continue
         real = max(0, min(mod.end, mod.vocab_size) - mod.start)
         if real < mod.shard_size:

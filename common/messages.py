@@ -1,0 +1,479 @@
+"""Every message of the cluster protocol, one declarative msgspec schema each.
+
+The wire layout, the codec and the rules every decoder enforces are in `common/codec.py`;
+the message flow between processes is in docs/architecture.md. Schemas are positional
+(`array_like`: a MessagePack array of the fields in declaration order; trailing fields at
+their defaults may be left out) because arrays pack and unpack several times faster than
+maps. Field types carry their ranges (`Meta`), so msgspec checks them in C on decode;
+`check()` holds what one field alone cannot say (lengths that must agree, counts that add
+up). Array fields hold numpy arrays of one dtype (`I32`, `F32`, `I32_2D`, `F32_2D`) that
+travel as raw little-endian bytes, never as MessagePack lists.
+
+Constructing a message coerces its arrays to the declared dtype and runs `check()`, so a
+sender finds its own mistakes where it makes them; decoding runs the same code on what
+arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from common.sampling_params import SamplingParams
+from common.schema import (  # noqa: F401 - the field types are part of the message catalogue
+    ARRAY_TYPES,
+    F32,
+    F32_2D,
+    I32,
+    I32_2D,
+    I64,
+    Count,
+    ErrorCode,
+    FinishReason,
+    Message,
+    Name,
+    Role,
+    Seq,
+    Stats,
+    Text,
+    empty_i32,
+    json_like,
+)
+
+PROTOCOL_VERSION = 2
+
+
+# --------------------------------------------------------------------------------------------
+# Client <-> scheduler
+# --------------------------------------------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One turn of a conversation, as OpenAI's chat API has it (a map on the wire)."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    content: str = ""
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+class Submit(Message):
+    """A request: a text prompt or prompt token ids (the ids win when both are given), or chat
+    ``messages`` (the scheduler applies the model's chat template, with the generation prompt)."""
+
+    request_id: Name
+    prompt: str | None = None
+    prompt_token_ids: I32 | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=4096)] | None = None
+
+    def check(self) -> str | None:
+        if self.messages is not None:
+            if self.prompt is not None or self.prompt_token_ids is not None:
+                return "give chat messages or a prompt, not both"
+            if not self.messages:
+                return "messages is empty; send at least one chat message"
+        elif self.prompt is None and self.prompt_token_ids is None:
+            return "give a prompt or prompt_token_ids (or chat messages)"
+        return None
+
+
+class Abort(Message):
+    request_id: Name
+
+
+class Ping(Message):
+    nonce: int = 0
+
+
+class Pong(Message):
+    nonce: int
+    protocol_version: int = PROTOCOL_VERSION
+    scheduler_id: str = ""
+
+
+class StatsRequest(Message):
+    pass
+
+
+class StatsReply(Message):
+    stats: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def check(self) -> str | None:
+        self.stats = json_like(self.stats)
+        return None
+
+
+class ModelsRequest(Message):
+    pass
+
+
+class ModelCard(Message):
+    id: Name
+    max_model_len: Count = 0
+    groups: Count = 0  # worker groups ready to serve it
+
+
+class ModelsReply(Message):
+    models: list[ModelCard] = msgspec.field(default_factory=list)
+
+
+class Output(Message):
+    """What one completion (``index``) of a request got in one step: deltas only."""
+
+    request_id: Name
+    index: Count = 0
+    # a plain list: a step's delta is a token or a few, which msgpack packs in a byte each and
+    # decodes in C (measured 3x cheaper than an array descriptor per item: benchmarks/codec.py)
+    token_ids: list[Count] = msgspec.field(default_factory=list)
+    text: str = ""
+    logprobs: F32_2D | None = None  # [n, 1+k]: column 0 the sampled token, then the top-k
+    logprob_token_ids: I32_2D | None = None
+    ranks: I32 | None = None  # the sampled token's rank
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    prompt_token_ids: I32 | None = None  # first chunk of a request only
+    num_cached_tokens: Count = 0
+
+    def check(self) -> str | None:
+        if type(self.token_ids) is not list:  # an array or tuple from the sender
+            self.token_ids = np.asarray(self.token_ids, np.int64).reshape(-1).tolist()
+        n = len(self.token_ids)
+        if (self.logprobs is None) != (self.logprob_token_ids is None):
+            return "logprobs and logprob_token_ids come together"
+        if self.logprobs is not None:
+            if self.logprobs.shape != self.logprob_token_ids.shape:
+                return f"logprobs shape {self.logprobs.shape} != logprob_token_ids shape {self.logprob_token_ids.shape}"
+            if self.logprobs.shape[0] != n or self.logprobs.shape[1] < 1:
+                return f"logprobs shape {self.logprobs.shape} does not fit {n} tokens (n_tokens, 1+k)"
+        if self.ranks is not None and self.ranks.shape[0] != n:
+            return f"ranks has {self.ranks.shape[0]} entries for {n} tokens"
+        return None
+
+
+class Outputs(Message):
+    items: list[Output] = msgspec.field(default_factory=list)
+
+
+class Error(Message):
+    request_id: str | None = None
+    code: ErrorCode = "internal"
+    message: str = ""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, request_id: str | None = None) -> Error:
+        return cls(request_id=request_id, code=getattr(exc, "code", "internal"), message=str(exc))
+
+    def to_exception(self) -> Exception:
+        from common.errors import error_from_code
+
+        return error_from_code(self.code, self.message)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker / detokenizer <-> scheduler
+# --------------------------------------------------------------------------------------------
+
+
+class ShardMemory(Message):
+    rss_bytes: int = 0
+    param_bytes: int = 0
+    kv_bytes: int = 0
+
+
+class Hello(Message, kw_only=True):
+    role: Role
+    protocol_version: int = PROTOCOL_VERSION  # position 1 in every version: a mismatch is named
+    worker_id: Name
+    group: str = ""
+    tp_rank: Count = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    model: str = ""
+    device: str = ""
+    host: str = ""
+    pid: int = 0
+    num_kv_blocks: Count = 0
+    block_size: Count = 0
+    max_model_len: Count = 0
+    dist_init_addr: Text | None = None  # rank 0 of a TP group proposes the torch.distributed address
+    memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+
+    def check(self) -> str | None:
+        if not self.tp_rank < self.tp_size:
+            return f"tp_rank {self.tp_rank} / tp_size {self.tp_size}: need 0 <= tp_rank < tp_size"
+        return None
+
+
+WelcomeStatus = Literal["accepted", "refused", "rejoin", "drained"]
+
+
+class Welcome(Message):
+    """accepted: serve (group, step_addr); refused: exit with `detail`; rejoin: the scheduler
+    does not know this peer (it restarted), say HELLO again; drained: leave, work is done."""
+
+    status: WelcomeStatus
+    detail: Text = ""
+    group: str = ""
+    step_addr: Text = ""
+    dist_init_addr: Text | None = None
+    scheduler_id: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == "accepted"
+
+
+class Heartbeat(Message):
+    worker_id: Name
+    stats: Stats = msgspec.field(default_factory=dict)
+
+
+class Probe(Message):
+    probe_id: Name
+
+
+class ProbeAck(Message):
+    worker_id: Name
+    probe_id: Name
+
+
+class NewRequest(Message):
+    """A request the worker has not seen: everything it needs to compute and sample it."""
+
+    req_id: Name
+    token_ids: I32  # prompt + tokens generated before (after a preemption or failover)
+    num_prompt_tokens: Count
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    seed: Seq = 0
+    block_ids: I32 = msgspec.field(default_factory=empty_i32)
+    num_computed_tokens: Count = 0
+    num_scheduled_tokens: Count = 0
+
+    def check(self) -> str | None:
+        n = self.token_ids.shape[0]
+        if self.num_prompt_tokens > n:
+            return f"num_prompt_tokens {self.num_prompt_tokens} not in [0, {n}]"
+        if self.num_computed_tokens + self.num_scheduled_tokens > n:
+            return (f"num_computed_tokens {self.num_computed_tokens} + num_scheduled_tokens "
+                    f"{self.num_scheduled_tokens} > {n} tokens")
+        return None
+
+
+class CachedRequests(Message):
+    """Requests the worker holds, columnar: request i's new blocks are
+    ``new_block_ids[off_i : off_i + new_block_counts[i]]``."""
+
+    req_ids: list[Name] = msgspec.field(default_factory=list)
+    num_computed_tokens: I32 = msgspec.field(default_factory=empty_i32)
+    num_scheduled_tokens: I32 = msgspec.field(default_factory=empty_i32)
+    new_block_ids: I32 = msgspec.field(default_factory=empty_i32)
+    new_block_counts: I32 = msgspec.field(default_factory=empty_i32)
+
+    def check(self) -> str | None:
+        r = len(self.req_ids)
+        for name in ("num_computed_tokens", "num_scheduled_tokens", "new_block_counts"):
+            if getattr(self, name).shape[0] != r:
+                return f"{name} has {getattr(self, name).shape[0]} entries for {r} req_ids"
+        if r:
+            if int(self.new_block_counts.min()) < 0 or int(self.num_scheduled_tokens.min()) < 0 \
+                    or int(self.num_computed_tokens.min()) < 0:
+                return "new_block_counts, num_scheduled_tokens and num_computed_tokens must be >= 0"
+        total = int(self.new_block_counts.sum(dtype=np.int64)) if r else 0
+        if total != self.new_block_ids.shape[0]:
+            return f"new_block_counts add up to {total}, new_block_ids has {self.new_block_ids.shape[0]}"
+        return None
+
+    @classmethod
+    def build(cls, req_ids: list[str], num_computed_tokens: Any, num_scheduled_tokens: Any,
+              new_block_ids: list[Any]) -> CachedRequests:
+        """From per-request values (new_block_ids: one list of ids per request)."""
+        counts = np.fromiter((len(b) for b in new_block_ids), np.int32, len(new_block_ids))
+        flat = np.fromiter((b for blocks in new_block_ids for b in blocks), np.int32, int(counts.sum()))
+        return cls(req_ids=list(req_ids), num_computed_tokens=np.asarray(num_computed_tokens, np.int32),
+                   num_scheduled_tokens=np.asarray(num_scheduled_tokens, np.int32), new_block_ids=flat,
+                   new_block_counts=counts)
+
+    def blocks_per_request(self) -> list[np.ndarray]:
+        """Request i's new block ids, as views into new_block_ids."""
+        if not self.req_ids:
+            return []
+        return np.split(self.new_block_ids, np.cumsum(self.new_block_counts[:-1]))
+
+
+class Step(Message):
+    """One scheduling step of a worker group: built by the policy, run by every shard."""
+
+    seq: Seq
+    group: str = ""
+    new_reqs: list[NewRequest] = msgspec.field(default_factory=list)
+    cached: CachedRequests = msgspec.field(default_factory=CachedRequests)
+    finished_req_ids: list[Name] = msgspec.field(default_factory=list)  # the worker drops their state
+
+    def req_ids(self) -> list[str]:
+        """The order of requests in the flat batch (and in the StepResult): cached, then new."""
+        return self.cached.req_ids + [n.req_id for n in self.new_reqs]
+
+    def num_scheduled(self) -> dict[str, int]:
+        """req_id -> tokens computed this step, in batch order."""
+        d = dict(zip(self.cached.req_ids, self.cached.num_scheduled_tokens.tolist()))
+        d.update((n.req_id, n.num_scheduled_tokens) for n in self.new_reqs)
+        return d
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.cached.num_scheduled_tokens.sum()) + sum(n.num_scheduled_tokens for n in self.new_reqs)
+
+    @property
+    def empty(self) -> bool:
+        return not self.new_reqs and not self.cached.req_ids
+
+
+class StepResult(Message):
+    """Shard 0's answer to a step: one entry per request of the step (-1 = no sample)."""
+
+    seq: Seq
+    worker_id: str = ""
+    req_ids: list[Name] = msgspec.field(default_factory=list)
+    sampled_token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    logprob_token_ids: I32_2D | None = None
+    logprobs: F32_2D | None = None
+    ranks: I32 | None = None
+    num_tokens: Count = 0  # tokens computed
+    step_time_s: float = 0.0
+
+    def check(self) -> str | None:
+        r = len(self.req_ids)
+        if self.sampled_token_ids.shape[0] != r:
+            return f"sampled_token_ids has {self.sampled_token_ids.shape[0]} entries for {r} req_ids"
+        if (self.logprobs is None) != (self.logprob_token_ids is None):
+            return "logprobs and logprob_token_ids come together"
+        if self.logprobs is not None and (
+                self.logprobs.shape != self.logprob_token_ids.shape or self.logprobs.shape[0] != r):
+            return (f"logprobs {self.logprobs.shape} / logprob_token_ids {self.logprob_token_ids.shape} "
+                    f"must both be ({r}, 1+k)")
+        if self.ranks is not None and self.ranks.shape[0] != r:
+            return f"ranks has {self.ranks.shape[0]} entries for {r} req_ids"
+        return None
+
+
+class WorkerError(Message):
+    worker_id: Name
+    seq: Seq | None = None
+    message: str = ""
+
+
+class Drain(Message):
+    worker_id: Name
+
+
+class Goodbye(Message):
+    worker_id: Name
+    reason: Text = ""
+
+
+class Shutdown(Message):
+    reason: Text = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Detokenizer <-> scheduler
+# --------------------------------------------------------------------------------------------
+
+
+class DetokRequest(Message):
+    """One sequence to detokenize. After a detokenizer restart the scheduler replays live ones
+    with the tokens generated so far and the characters the client already has."""
+
+    req_id: Name
+    prompt_token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    output_token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    text_offset: Count = 0
+
+
+class DetokNew(Message):
+    items: list[DetokRequest] = msgspec.field(default_factory=list)
+
+
+class DetokTokens(Message):
+    """New tokens of several sequences, flat: request i's are ``token_ids[off_i : off_i + counts[i]]``;
+    a finish reason means "flush, answer, then drop the state"."""
+
+    seq: Seq = 0
+    req_ids: list[Name] = msgspec.field(default_factory=list)
+    counts: I32 = msgspec.field(default_factory=empty_i32)
+    token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    finish_reasons: list[FinishReason | None] = msgspec.field(default_factory=list)
+
+    def check(self) -> str | None:
+        r = len(self.req_ids)
+        if self.counts.shape[0] != r or len(self.finish_reasons) != r:
+            return f"counts ({self.counts.shape[0]}) and finish_reasons ({len(self.finish_reasons)}) need {r} entries"
+        if r and int(self.counts.min()) < 0:
+            return "counts must be >= 0"
+        total = int(self.counts.sum(dtype=np.int64)) if r else 0
+        if total != self.token_ids.shape[0]:
+            return f"counts add up to {total}, token_ids has {self.token_ids.shape[0]}"
+        return None
+
+    @classmethod
+    def build(cls, seq: int, req_ids: list[str], token_ids: list[Any],
+              finish_reasons: list[str | None] | None = None) -> DetokTokens:
+        """From per-request token lists."""
+        counts = np.fromiter((len(t) for t in token_ids), np.int32, len(token_ids))
+        flat = (np.concatenate([np.asarray(t, np.int32).reshape(-1) for t in token_ids]) if token_ids
+                else empty_i32())
+        return cls(seq=seq, req_ids=list(req_ids), counts=counts, token_ids=flat.astype(np.int32, copy=False),
+                   finish_reasons=list(finish_reasons) if finish_reasons is not None else [None] * len(req_ids))
+
+    def per_request(self) -> list[np.ndarray]:
+        """Request i's new tokens, as views into token_ids."""
+        if not self.req_ids:
+            return []
+        return np.split(self.token_ids, np.cumsum(self.counts[:-1]))
+
+
+class DetokOutputs(Message):
+    """Text deltas for a DetokTokens batch; ``stop_strs[i]`` is the stop string that ended
+    request i (its text already truncated)."""
+
+    seq: Seq = 0
+    req_ids: list[Name] = msgspec.field(default_factory=list)
+    text_deltas: list[str] = msgspec.field(default_factory=list)
+    stop_strs: list[str | None] = msgspec.field(default_factory=list)
+
+    def check(self) -> str | None:
+        r = len(self.req_ids)
+        if len(self.text_deltas) != r or len(self.stop_strs) != r:
+            return f"text_deltas ({len(self.text_deltas)}) and stop_strs ({len(self.stop_strs)}) need {r} entries"
+        return None
+
+
+class DetokFree(Message):
+    req_ids: list[Name] = msgspec.field(default_factory=list)
+
+
+class Event(Message):
+    """Published on the events socket (topic = kind) for monitors and `zeroserve status`."""
+
+    kind: Name
+    ts: float = 0.0
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def check(self) -> str | None:
+        self.data = json_like(self.data)
+        return None
+
+
+# every top-level message, by its tag on the wire (the class name); nested-only structs are not
+MESSAGE_TYPES: dict[bytes, type[Message]] = {
+    cls.__name__.encode(): cls
+    for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, Output, Outputs,
+                Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
+                Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
+}
+NESTED_TYPES = (ChatMessage, ModelCard, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)

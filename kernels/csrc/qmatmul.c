@@ -1,0 +1,402 @@
+/* Weight-only quantized matmul for CPUs: y[t, n] = sum_k x[t, k] * w[n, k], x and y fp32, w read
+ * in its packed form (never dequantized to memory).
+ *
+ * Why: batch-1 decode is bound by the bytes of weights read per token; 4-bit weights are ~7x
+ * fewer bytes than fp32. Each 32-element chunk of a weight row has its integer codes q turned
+ * into fp32 in registers and applied to a tile of up to RMAX rows of x, so a batch of T rows
+ * costs far less than T single-row passes.
+ *
+ * Formats (w rows are `w_stride` bytes apart; a row is K / block blocks back to back):
+ *   Q8_0  block 32:  fp16 d, int8 q[32]                 w = d * q
+ *   Q4_0  block 32:  fp16 d, u8 qs[16]                  w = d * (q - 8)
+ *   Q4_1  block 32:  fp16 d, fp16 m, u8 qs[16]          w = d * q + m
+ *         (Q4_0/Q4_1: element i < 16 is the low nibble of qs[i], element 16 + i the high one)
+ *   Q4_K  block 256: fp16 d, fp16 dmin, u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min),
+ *         u8 qs[128]; sub-block j (32 elements) reads the (j & 1 ? high : low) nibbles of
+ *         qs[32 * (j / 2) ...+32]; w = (d * sc[j]) * q - dmin * mn[j]
+ *   INT8  group g:   int8 q[K], fp32 scale[ceil(K / g)]  w = s * q
+ *   INT4  group g:   u8 qs[K / 2] packed like Q4_1 per 32-chunk, fp32 scale and min per group,
+ *         w = s * q + m; g is 32 * 2^i, the last group may be short
+ * GGUF formats are llama.cpp's block layouts byte for byte.
+ *
+ * Arithmetic (fp32 throughout): per chunk c with scale d, offset m and codes q (q - 8 for Q4_0),
+ *   acc += d * (x_c . q_c) [+ m * sum(x_c) for Q4_1, Q4_K, INT4]
+ * where x_c . q_c is a fixed tree over vector lanes, sum(x_c) is taken in the same lane order,
+ * acc is one vector per (t, n) accumulated over K in order, and its lanes are summed at the
+ * end. Versus dequantize-then-matmul this only moves roundings (scale applied per chunk, not
+ * per weight; summation order): agreement to fp32 rounding. It is the same for every t, T,
+ * tiling and thread count, so results are batch- and thread-invariant; it differs between the
+ * AVX-512, AVX2 and portable builds (vector width).
+ *
+ * Built on first use by kernels/cpu_native.py (-O3 -march=native -fopenmp -ffp-contract=off:
+ * the compiler may not fuse or reorder what is written here).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { F_Q8_0 = 0, F_Q4_0 = 1, F_Q4_1 = 2, F_Q4_K = 3, F_INT8 = 4, F_INT4 = 5, F_COUNT };
+
+#define RMAX 8          /* rows of x per tile: one decoded chunk is reused RMAX times */
+#define PANEL 64        /* weight rows that stay in L2 while a block of x passes over them */
+#define TBLOCK 64       /* rows of x per pass over the weights */
+#define MIN_WORK 65536  /* multiply-adds per thread below which more threads cost more than they save */
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__) && !defined(ZS_QM_PORTABLE)
+#include <immintrin.h>
+#define ISA 2
+#define VW 16
+typedef __m512 vf;
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VLOAD _mm512_loadu_ps
+#define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
+#define VFMA _mm512_fmadd_ps  /* a * b + c */
+INLINE float vsum(vf v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+/* 16 bytes -> their 16 low nibbles and 16 high nibbles as floats */
+INLINE void u4x16(const uint8_t *p, vf *lo, vf *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    lo[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+INLINE void i8x16(const uint8_t *p, vf *o) {
+    o[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(ZS_QM_PORTABLE)
+#include <immintrin.h>
+#define ISA 1
+#define VW 8
+typedef __m256 vf;
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VLOAD _mm256_loadu_ps
+#define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
+#define VFMA _mm256_fmadd_ps
+INLINE float vsum(vf v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+/* the 16 bytes in both 128-bit lanes, spread one byte per 32-bit lane by pshufb: fewer
+ * shuffles than pmovzx of each 8-byte half, and the nibbles split in 32-bit lanes */
+INLINE void u4x16(const uint8_t *p, vf *lo, vf *hi) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i s1 = _mm256_add_epi32(s0, _mm256_set1_epi32(8));
+    const __m256i v0 = _mm256_shuffle_epi8(b, s0), v1 = _mm256_shuffle_epi8(b, s1);
+    const __m256i m = _mm256_set1_epi32(15);
+    lo[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, m));
+    lo[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, m));
+    hi[0] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+    hi[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+}
+INLINE void i8x16(const uint8_t *p, vf *o) {
+    o[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    o[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+#else
+/* Portable: 8-float structs the compiler vectorizes for whatever the target has. */
+#define ISA 0
+#define VW 8
+typedef struct { float v[8]; } vf;
+INLINE vf VSET1(float a) { vf r; for (int i = 0; i < 8; i++) r.v[i] = a; return r; }
+INLINE vf VZERO(void) { return VSET1(0.f); }
+INLINE vf VLOAD(const float *p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
+INLINE vf VMUL(vf a, vf b) { for (int i = 0; i < 8; i++) a.v[i] *= b.v[i]; return a; }
+INLINE vf VADD(vf a, vf b) { for (int i = 0; i < 8; i++) a.v[i] += b.v[i]; return a; }
+INLINE vf VFMA(vf a, vf b, vf c) { for (int i = 0; i < 8; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
+INLINE float vsum(vf a) {
+    float s[4];
+    for (int i = 0; i < 4; i++) s[i] = a.v[i] + a.v[i + 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+INLINE void u4x16(const uint8_t *p, vf *lo, vf *hi) {
+    for (int i = 0; i < 16; i++) {
+        lo[i / 8].v[i % 8] = (float)(p[i] & 0x0F);
+        hi[i / 8].v[i % 8] = (float)(p[i] >> 4);
+    }
+}
+INLINE void i8x16(const uint8_t *p, vf *o) {
+    for (int i = 0; i < 16; i++) o[i / 8].v[i % 8] = (float)(int8_t)p[i];
+}
+#endif
+
+#define NV (32 / VW)   /* vectors per 32-element chunk */
+#define NH (16 / VW)
+
+/* IEEE half -> float, exact (subnormals, inf, nan included). */
+INLINE float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__) && !defined(ZS_QM_PORTABLE)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF, bits;
+    if (e == 0x1F) {
+        bits = sign | 0x7F800000u | (m << 13);
+    } else if (e != 0) {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    } else if (m == 0) {
+        bits = sign;
+    } else {  /* subnormal: normalize */
+        e = 113;
+        while (!(m & 0x400)) { m <<= 1; e--; }
+        bits = sign | (e << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Sum of the 32 products of one chunk: a fixed tree, so every row sees the same order. */
+INLINE vf dot32(const vf *w, const float *x) {
+#if NV == 2
+    return VFMA(VLOAD(x + 16), w[1], VMUL(VLOAD(x), w[0]));
+#else
+    return VADD(VFMA(VLOAD(x + 8), w[1], VMUL(VLOAD(x), w[0])),
+                VFMA(VLOAD(x + 24), w[3], VMUL(VLOAD(x + 16), w[2])));
+#endif
+}
+
+typedef struct {
+    const uint8_t *w;      /* this row's packed bytes */
+    const float *sc, *mn;  /* this row's group scales / mins (INT8, INT4) */
+    int gshift, K;         /* group = 32 << gshift */
+} row_t;
+
+/* Per-block constants: returns the block's chunk count; fills d[j], m[j] per chunk for Q4_K,
+ * d[0], m[0] (shared by the block's chunks) otherwise. */
+INLINE int block_prep(int fmt, const row_t *r, int b, float *d, float *m) {
+    switch (fmt) {
+    case F_Q8_0: d[0] = f16(r->w + 34 * b); return 1;
+    case F_Q4_0: d[0] = f16(r->w + 18 * b); return 1;
+    case F_Q4_1: d[0] = f16(r->w + 20 * b); m[0] = f16(r->w + 20 * b + 2); return 1;
+    case F_Q4_K: {
+        /* llama.cpp's 6-bit unpacking on 32-bit words: bytes 0..7 = scales, 8..15 = mins */
+        const uint8_t *p = r->w + 144 * b;
+        uint32_t u[4];
+        uint8_t sm[16];
+        memcpy(u, p + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = mins_lo;
+        u[0] &= 0x3f3f3f3f;
+        memcpy(sm, u, 16);
+        vf v[NH];  /* the 16 small integers to floats with the vector conversion */
+        float f[16];
+        i8x16(sm, v);
+        memcpy(f, v, sizeof f);
+        const float dd = f16(p), dm = -f16(p + 2);
+        for (int j = 0; j < 8; j++) {
+            d[j] = dd * f[j];  /* exact: 11-bit mantissa times a 6-bit integer */
+            m[j] = dm * f[8 + j];
+        }
+        return 8;
+    }
+    default:  /* INT8 / INT4: a block is one chunk of 32; its group is chunk >> gshift */
+        d[0] = r->sc[b >> r->gshift];
+        if (fmt == F_INT4) m[0] = r->mn[b >> r->gshift];
+        return 1;
+    }
+}
+
+INLINE int asym(int fmt) { return fmt == F_Q4_1 || fmt == F_Q4_K || fmt == F_INT4; }
+
+/* The integer codes q of chunk j of block b (and for Q4_K of chunk j + 1, which shares its
+ * bytes) as floats; returns how many chunks it decoded. */
+INLINE int decode(int fmt, const row_t *r, int b, int j, vf w[2][NV]) {
+    switch (fmt) {
+    case F_Q8_0: i8x16(r->w + 34 * b + 2, w[0]); i8x16(r->w + 34 * b + 18, w[0] + NH); return 1;
+    case F_Q4_0:  /* signed codes q - 8, exact in fp32 */
+        u4x16(r->w + 18 * b + 2, w[0], w[0] + NH);
+        for (int i = 0; i < NV; i++) w[0][i] = VADD(w[0][i], VSET1(-8.f));
+        return 1;
+    case F_Q4_1: u4x16(r->w + 20 * b + 4, w[0], w[0] + NH); return 1;
+    case F_Q4_K: {
+        const uint8_t *q = r->w + 144 * b + 16 + 32 * (j >> 1);
+        u4x16(q, w[0], w[1]);
+        u4x16(q + 16, w[0] + NH, w[1] + NH);
+        return 2;
+    }
+    case F_INT8: i8x16(r->w + 32 * (int64_t)b, w[0]); i8x16(r->w + 32 * (int64_t)b + 16, w[0] + NH); return 1;
+    default: u4x16(r->w + 16 * (int64_t)b, w[0], w[0] + NH); return 1;  /* INT4 */
+    }
+}
+
+INLINE int block_elems(int fmt) { return fmt == F_Q4_K ? 256 : 32; }
+
+/* Lane sums of one chunk of x in dot32's tree order: sum(x_c) = vsum of this. */
+INLINE vf lanesum32(const float *x) {
+#if NV == 2
+    return VADD(VLOAD(x), VLOAD(x + 16));
+#else
+    return VADD(VADD(VLOAD(x), VLOAD(x + 8)), VADD(VLOAD(x + 16), VLOAD(x + 24)));
+#endif
+}
+
+/* Blocks [b0, b1) of one weight row against R rows of x (x, sx at the row starts), accumulated
+ * into acc[r]: per chunk c, acc += d_c * (x_c . q_c) (+ m_c * lanesum(x_c)). One vector chain per
+ * (row of x, row of w) over K in order, so how K is sliced and rows are tiled does not change
+ * the result. sx[r * sxs + c * VW ...] holds lanesum32 of chunk c. */
+INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *x, int64_t ldx,
+                 const float *sx, int64_t sxs, vf *acc) {
+    vf a[RMAX];
+    for (int r = 0; r < R; r++) a[r] = acc[r];
+    const int cpb = block_elems(fmt) / 32;
+    int64_t c = (int64_t)b0 * cpb;
+    for (int b = b0; b < b1; b++) {
+        float d[8], m[8];
+        const int nc = block_prep(fmt, row, b, d, m);
+        for (int j = 0; j < nc;) {
+            vf w[2][NV];
+            const int got = decode(fmt, row, b, j, w);
+            for (int u = 0; u < got; u++, j++, c++) {
+                const int jj = fmt == F_Q4_K ? j : 0;
+                const vf vd = VSET1(d[jj]);
+                if (asym(fmt)) {
+                    const vf vm = VSET1(m[jj]);
+                    for (int r = 0; r < R; r++) {
+                        const vf p = VMUL(vd, dot32(w[u], x + r * ldx + c * 32));
+                        a[r] = VADD(a[r], VFMA(vm, VLOAD(sx + r * sxs + c * VW), p));
+                    }
+                } else {
+                    for (int r = 0; r < R; r++) a[r] = VFMA(vd, dot32(w[u], x + r * ldx + c * 32), a[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) acc[r] = a[r];
+}
+
+/* One specialization per (format, R = 1, 2, 4, 8): R accumulators in registers. Other R are
+ * split into these (each row's arithmetic is the same whatever its tile). */
+#define TILE_ARGS const row_t *w, int b0, int b1, const float *x, int64_t l, const float *sx, int64_t ls, vf *acc
+#define TILE1(F, NAME, R) static void NAME##_##R(TILE_ARGS) { tile(F, R, w, b0, b1, x, l, sx, ls, acc); }
+#define TILES(F, NAME) TILE1(F, NAME, 1) TILE1(F, NAME, 2) TILE1(F, NAME, 4) TILE1(F, NAME, 8)
+typedef void (*tile_fn)(TILE_ARGS);
+#define TILE_ROW(NAME) {NAME##_1, NAME##_2, NAME##_4, NAME##_8}
+
+TILES(F_Q8_0, q8_0)
+TILES(F_Q4_0, q4_0)
+TILES(F_Q4_1, q4_1)
+TILES(F_Q4_K, q4_k)
+TILES(F_INT8, int8)
+TILES(F_INT4, int4)
+
+static const tile_fn TILE_FNS[F_COUNT][4] = {TILE_ROW(q8_0), TILE_ROW(q4_0), TILE_ROW(q4_1),
+                                                TILE_ROW(q4_k), TILE_ROW(int8), TILE_ROW(int4)};
+
+/* Which code path this build took: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable C. */
+int zs_qm_isa(void) { return ISA; }
+
+typedef struct {
+    int fmt, gshift, T, N, K;
+    const uint8_t *w;
+    int64_t w_stride, s_stride, ldx, ldy, sxs;
+    const float *scales, *mins, *x, *sx;
+    float *y;
+} job_t;
+
+/* Thread `id` of `cnt`: its contiguous share of the output rows (no cache line of y is shared
+ * but at the edges), in panels of PANEL rows, for blocks of TBLOCK rows of x. */
+static void run(const job_t *j, int id, int cnt) {
+    const tile_fn *fns = TILE_FNS[j->fmt];
+    const int n0 = (int)((int64_t)j->N * id / cnt), n1 = (int)((int64_t)j->N * (id + 1) / cnt);
+    const int be = block_elems(j->fmt), nb = j->K / be;
+    vf acc[PANEL][RMAX];
+    for (int t0 = 0; t0 < j->T; t0 += TBLOCK) {
+        const int t1 = t0 + TBLOCK < j->T ? t0 + TBLOCK : j->T;
+        for (int p0 = n0; p0 < n1; p0 += PANEL) {
+            const int p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
+            for (int t = t0; t < t1; t += RMAX) {
+                const int R = t1 - t < RMAX ? t1 - t : RMAX;
+                /* K slice: R rows of x times the slice stay within ~16 KiB of L1 */
+                const int bps = (4096 / R) / be > 1 ? (4096 / R) / be : 1;
+                const float *xt = j->x + t * j->ldx, *st = j->sx ? j->sx + t * j->sxs : NULL;
+                for (int n = p0; n < p1; n++)
+                    for (int r = 0; r < R; r++) acc[n - p0][r] = VZERO();
+                for (int b = 0; b < nb; b += bps) {
+                    const int b1 = b + bps < nb ? b + bps : nb;
+                    for (int n = p0; n < p1; n++) {
+                        const row_t r = {j->w + n * j->w_stride, j->scales ? j->scales + n * j->s_stride : NULL,
+                                         j->mins ? j->mins + n * j->s_stride : NULL, j->gshift, j->K};
+                        for (int i = 3, r0 = 0; i >= 0; i--)  /* R as 8 + 4 + 2 + 1 */
+                            if (R & (1 << i)) {
+                                fns[i](&r, b, b1, xt + r0 * j->ldx, j->ldx, st ? st + r0 * j->sxs : NULL, j->sxs,
+                                       acc[n - p0] + r0);
+                                r0 += 1 << i;
+                            }
+                    }
+                }
+                for (int n = p0; n < p1; n++)
+                    for (int r = 0; r < R; r++) j->y[(t + r) * j->ldy + n] = vsum(acc[n - p0][r]);
+            }
+        }
+    }
+}
+
+/* y[t * ldy + n] = sum_k x[t * ldx + k] * w[n, k] for t < T, n < N.
+ * w: row n at w + n * w_stride bytes; scales / mins (INT8, INT4): row n at + n * s_stride floats.
+ * Returns 0, -1 for arguments the format does not allow, -2 when out of memory. */
+int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
+                   int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
+                   int T, int N, int K, int threads) {
+    if (fmt < 0 || fmt >= F_COUNT || T < 0 || N < 0 || K < 0 || K % 32 != 0) return -1;
+    if (fmt == F_Q4_K && K % 256 != 0) return -1;
+    int gshift = 0;
+    while (gshift < 24 && (32 << gshift) < group) gshift++;
+    if ((fmt == F_INT8 || fmt == F_INT4) && ((32 << gshift) != group || scales == NULL)) return -1;
+    if (fmt == F_INT4 && mins == NULL) return -1;
+    if (T == 0 || N == 0) return 0;
+    if (K == 0) {
+        for (int t = 0; t < T; t++) memset(y + t * ldy, 0, sizeof(float) * N);
+        return 0;
+    }
+    const int64_t work = (int64_t)T * N * K;
+    int nt = threads < 1 ? 1 : threads;
+    if (nt > N) nt = N;
+    if (work / MIN_WORK < nt) nt = (int)(work / MIN_WORK) > 1 ? (int)(work / MIN_WORK) : 1;
+    /* lane sums of x's chunks for the formats with an offset: one pass over x, before the threads */
+    const int64_t nch = K / 32, sxs = nch * VW;
+    vf sx_stack[512];
+    float *sx = NULL;
+    if (asym(fmt)) {
+        sx = T * nch <= 512 ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
+        if (sx == NULL) return -2;
+        for (int t = 0; t < T; t++)
+            for (int64_t c = 0; c < nch; c++) {
+                const vf v = lanesum32(x + t * ldx + 32 * c);
+                memcpy(sx + t * sxs + c * VW, &v, sizeof v);
+            }
+    }
+    const job_t job = {fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y};
+    if (nt == 1) {
+        run(&job, 0, 1);  /* no team for small matmuls: a fork costs microseconds */
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+#ifdef _OPENMP
+            run(&job, omp_get_thread_num(), omp_get_num_threads());
+#else
+            run(&job, 0, 1);
+#endif
+        }
+    }
+    if (sx != (float *)sx_stack) free(sx);
+    return 0;
+}

@@ -1,0 +1,213 @@
+"""A backend peer's side of the scheduler connection: the one loop workers and the detokenizer share.
+
+A backend peer (a worker shard or the detokenizer) holds a DEALER to the scheduler's backend
+ROUTER and, through `BackendPeer`:
+
+* joins: `join(hello, stop)` says HELLO until a WELCOME says "accepted" (it returns that Welcome),
+  "refused" (raises `Refused` with the scheduler's reason) or "drained" (returns None, as does
+  `stop` being set). HELLOs never block (a blocking send hangs while no connection exists, and
+  then SIGTERM could not stop us); when nobody answers it logs a hint about CURVE keys.
+* heartbeats every `heartbeat_interval_s`: from the caller's loop on the main socket
+  (`maybe_heartbeat`: the detokenizer), or from a thread with its own DEALER `<id>-hb`
+  (`start_heartbeats`: a worker, whose steps may take longer than the scheduler's heartbeat
+  timeout; the scheduler takes that identity as the worker's). Heartbeat sockets are IMMEDIATE:
+  none pile up while the scheduler is away.
+* notices what the scheduler wants after WELCOME (`note(msg)` on every Welcome that arrives,
+  from either socket): `rejoin` is set when it no longer knows us (a restarted scheduler answers
+  an unknown peer's heartbeat with status "rejoin"), `drained` when it let our group go after a
+  drain. The caller clears `rejoin` when it starts over; a worker's heartbeat thread exits the
+  process when nobody does within STUCK_AFTER_S (its main thread is stuck in a collective), so
+  a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from common import messages as P
+from common.codec import ProtocolError
+from common.curve import CurveClientKeys
+from common.log import get_logger
+from common.transport import Channel, make_socket
+
+log = get_logger("backend_peer")
+
+JOIN_WAIT_S = 5.0  # one HELLO waits this long for its WELCOME before the next
+HINT_MAX_EVERY_S = 60.0  # the "no answer" hint comes after 5 s, then at doubling intervals up to this
+STALE_HEARTBEATS = 3  # a "rejoin" this many intervals after WELCOME may answer a heartbeat sent before it
+STUCK_AFTER_S = 10.0
+
+
+class Refused(Exception):
+    """The scheduler refused our HELLO; ``detail`` says why."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class BackendPeer:
+    def __init__(self, ctx: zmq.Context, scheduler_addr: str, peer_id: str, *, role: str,
+                 curve: CurveClientKeys | None = None, heartbeat_interval_s: float = 1.0,
+                 immediate: bool = False) -> None:
+        """``immediate``: HELLOs and replies are only queued on a completed connection. A worker
+        leaves it off: its step results queue across a reconnect instead of blocking the step."""
+        self.ctx, self.scheduler_addr, self.id, self.role = ctx, scheduler_addr, peer_id, role
+        self.curve = curve
+        self.socket_kw = curve.socket_kwargs() if curve else {}
+        self.hb_interval = heartbeat_interval_s
+        self.ch = Channel(make_socket(ctx, zmq.DEALER, connect=scheduler_addr, identity=peer_id, immediate=immediate,
+                                      **self.socket_kw))
+        self.rejoin = threading.Event()  # the scheduler does not know us (any more): start over
+        self.drained = threading.Event()  # the scheduler let our group go after a drain: leave
+        self._joined = threading.Event()
+        self._joined_at = 0.0
+        self._closed = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._next_hb = 0.0
+
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.ch.sock
+
+    # ------------------------------------------------------------------ joining
+    def join(self, hello: Callable[[], P.Hello], stop: threading.Event,
+             on_message: Callable[[Any], None] | None = None) -> P.Welcome | None:
+        """HELLO until WELCOME; other messages that arrive meanwhile go to ``on_message``."""
+        self._joined.clear()
+        hint_at, hint_every = time.monotonic() + JOIN_WAIT_S, JOIN_WAIT_S
+        while not stop.is_set():
+            if time.monotonic() >= hint_at:
+                self._hint()
+                hint_every = min(2 * hint_every, HINT_MAX_EVERY_S)
+                hint_at = time.monotonic() + hint_every
+            if not self.ch.try_send(hello()):  # nothing connected (IMMEDIATE), or a full queue
+                stop.wait(0.1)
+                continue
+            deadline = time.monotonic() + JOIN_WAIT_S
+            while time.monotonic() < deadline and not stop.is_set():
+                if not self.ch.poll(0.2):
+                    continue
+                try:
+                    _, msg = self.ch.recv()
+                except ProtocolError as e:
+                    log.warning("bad message dropped", reason=e.reason)
+                    continue
+                if not isinstance(msg, P.Welcome):
+                    if on_message is not None:
+                        on_message(msg)
+                    continue
+                if msg.status == "accepted":
+                    self.rejoin.clear()
+                    self.drained.clear()
+                    self._joined_at = time.monotonic()
+                    self._joined.set()
+                    return msg
+                if msg.status == "refused":
+                    raise Refused(msg.detail)
+                if msg.status == "drained":
+                    self.drained.set()
+                    return None
+                # "rejoin": the answer to a heartbeat sent before this HELLO
+        return None
+
+    def _hint(self) -> None:
+        if self.curve:
+            log.info(f"no answer from the scheduler yet; saying hello again (CURVE: is this {self.role}'s key "
+                     "allowed, and server.key the scheduler's?)", scheduler=self.scheduler_addr,
+                     curve_client=self.curve.name)
+        else:
+            log.info("no answer from the scheduler yet; saying hello again (does the scheduler use CURVE? "
+                     "then pass --curve-keys)", scheduler=self.scheduler_addr)
+
+    # ------------------------------------------------------------------ after WELCOME
+    def note(self, msg: Any) -> bool:
+        """Take in a message that arrived after WELCOME; True when it is a Welcome that set
+        ``rejoin`` or ``drained``."""
+        if not isinstance(msg, P.Welcome) or msg.status == "accepted":  # accepted: a repeated HELLO's answer
+            return False
+        if msg.status == "drained":
+            self.drained.set()
+            return True
+        if not self._joined.is_set():  # before our WELCOME, or already starting over
+            return False
+        if msg.status == "rejoin" and time.monotonic() - self._joined_at < STALE_HEARTBEATS * self.hb_interval:
+            return False  # most likely the answer to a heartbeat sent before our HELLO
+        self._joined.clear()
+        self.rejoin.set()
+        return True
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Read the main socket for up to ``timeout_s`` until the scheduler says we are drained
+        (or asks us to rejoin); True when drained."""
+        deadline = time.monotonic() + timeout_s
+        while not self.drained.is_set() and not self.rejoin.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.ch.poll(left):
+                break
+            try:
+                self.note(self.ch.recv()[1])
+            except ProtocolError as e:
+                log.warning("bad message dropped", reason=e.reason)
+        return self.drained.is_set()
+
+    def goodbye(self, reason: str) -> None:
+        self.ch.try_send(P.Goodbye(worker_id=self.id, reason=reason))
+
+    # ------------------------------------------------------------------ heartbeats
+    def maybe_heartbeat(self, stats: Callable[[], dict]) -> float:
+        """Send a heartbeat on the main socket when one is due; returns the seconds until the next."""
+        now = time.monotonic()
+        if now >= self._next_hb:
+            self._next_hb = now + self.hb_interval
+            self.ch.try_send(P.Heartbeat(worker_id=self.id, stats=stats()))  # not connected: nobody to tell
+        return max(0.0, self._next_hb - now)
+
+    def start_heartbeats(self, stats: Callable[[], dict], *, stuck_exit: int) -> None:
+        """Heartbeats from a thread with its own socket. When the scheduler asks us to rejoin
+        and the main thread does not clear ``rejoin`` within STUCK_AFTER_S, the process exits
+        with ``stuck_exit``."""
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(stats, stuck_exit), name="heartbeat",
+                                           daemon=True)
+        self._hb_thread.start()
+
+    def _heartbeat_loop(self, stats: Callable[[], dict], stuck_exit: int) -> None:
+        hb = Channel(make_socket(self.ctx, zmq.DEALER, connect=self.scheduler_addr, identity=f"{self.id}-hb",
+                                 immediate=True, **self.socket_kw))
+        next_hb = 0.0
+        try:
+            while not self._closed.is_set():
+                now = time.monotonic()
+                if now >= next_hb:
+                    next_hb = now + self.hb_interval
+                    hb.try_send(P.Heartbeat(worker_id=self.id, stats=stats()))
+                if not hb.poll(max(0.0, next_hb - time.monotonic())):
+                    continue
+                try:
+                    _, msg = hb.recv()
+                except ProtocolError:
+                    continue
+                if self.note(msg) and self.rejoin.is_set():
+                    self._watch_rejoin(stuck_exit)
+        finally:
+            hb.close()
+
+    def _watch_rejoin(self, stuck_exit: int) -> None:
+        deadline = time.monotonic() + STUCK_AFTER_S
+        while self.rejoin.is_set() and not self._closed.is_set():
+            if time.monotonic() > deadline:
+                log.error("stuck while the scheduler asked us to rejoin; exiting", code=stuck_exit)
+                os._exit(stuck_exit)
+            self._closed.wait(0.1)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=2)
+        self.ch.close()

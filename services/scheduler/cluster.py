@@ -1,0 +1,373 @@
+"""The scheduler's state, free of sockets: requests, routing, failover, timers, stats.
+
+`Cluster` owns the worker groups (`groups.Groups`), the delivery of tokens and text
+(`delivery.Delivery`) and every live request. Its handlers take a message, the peer it came
+from and the time `now`, and return an `Outbox` of what to send; `tick(now)` runs the timers,
+`dispatch(now)` sends groups their next steps and `flush()` hands out what the loop turn
+produced: one `DetokTokens` to the detokenizer and one `Outputs` per client, so a busy turn
+costs a few messages, not one per token.
+
+Request flow: Submit -> tokenized (by the shell's pool, or token ids given) -> admitted (checks,
+n-way fan-out) -> routed to a READY group of its model, or pending until one is -> policy steps
+-> delivery. When a group ends its requests are routed again with the tokens they have.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgspec
+
+from common import messages as P
+from common.codec import check_version
+from common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
+from common.log import get_logger
+from services.scheduler.admission import check_params_for_model, check_prompt_ids, fan_out, split_prompt
+from services.scheduler.delivery import Delivery, Live, Seq
+from services.scheduler.groups import CHECK_INTERVAL_S, Groups
+from services.scheduler.outbox import Outbox
+from services.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from common.model_config import ModelConfig
+    from common.config import SchedulerConfig
+
+log = get_logger("scheduler")
+
+Handler = Callable[[bytes, Any, float], Outbox]
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    cfg: ModelConfig
+    tokenizer: object  # only text prompts need it
+
+
+class Rate(NamedTuple):
+    t: float
+    tokens: int
+
+
+class Cluster:
+    def __init__(self, cfg: SchedulerConfig, models: dict[str, ModelInfo], scheduler_id: str, step_addr: str = "",
+                 addresses: dict[str, str] | None = None, now: float = 0.0) -> None:
+        self.cfg = cfg
+        self.models = models
+        self.default_model = next(iter(models), None)
+        self.id = scheduler_id
+        self.addresses = addresses or {}
+        self.started = now
+        self.groups = Groups(cfg, models, scheduler_id, step_addr)
+        self.delivery = Delivery(scheduler_id)
+        self.live: dict[str, Live] = {}  # key -> Live
+        self.by_client: dict[tuple[bytes, str], str] = {}  # (client, request_id) -> key
+        self.pending: list[Live] = []  # admitted, waiting for a group that serves their model
+        self.client_seen: dict[bytes, float] = {}
+        self.keys = itertools.count()
+        self.rng = random.Random(cfg.seed)
+        self.tokens_total = 0
+        self.rate_window: list[Rate] = []
+        self.last_checks = 0.0
+        self.last_stats = 0.0
+
+    def client_handlers(self) -> dict[type, Handler]:
+        return {P.Submit: self.on_submit, P.Abort: self.on_abort, P.Ping: self.on_ping,
+                P.StatsRequest: self.on_stats_request, P.ModelsRequest: self.on_models_request}
+
+    def backend_handlers(self) -> dict[type, Handler]:
+        return {P.Hello: self.on_hello, P.Error: self.on_peer_error, P.DetokOutputs: self.on_detok_outputs,
+                P.StepResult: self.on_step_result, P.Heartbeat: self.on_heartbeat, P.ProbeAck: self.on_probe_ack,
+                P.Drain: self.on_drain, P.Goodbye: self.on_goodbye, P.WorkerError: self.on_worker_error}
+
+    # ================================================================ clients
+    def on_submit(self, ident: bytes, m: P.Submit, now: float) -> Outbox:
+        self.client_seen[ident] = now
+        if (ident, m.request_id) in self.by_client:
+            raise InvalidRequest(f"request id {m.request_id!r} is already running on this client")
+        if m.prompt is not None and m.prompt_token_ids is None:
+            split_prompt(m.prompt)  # refused the same way on every path (an empty text is no prompt)
+        model = m.params.model or self.default_model
+        if model not in self.models:
+            served = sorted(self.models)
+            raise InvalidRequest(f"model {model!r} is not served by this cluster; served models: {served}"
+                                 if served else "this scheduler serves no model; start it with --model DIR")
+        if len(self.live) >= self.cfg.max_queue_len:
+            raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
+                             "or add workers")
+        key = str(next(self.keys))
+        self.live[key] = Live(key, m.request_id, ident, model, m.params, [], [], created=now,
+                              deadline=now + m.timeout_s if m.timeout_s else None)
+        self.by_client[(ident, m.request_id)] = key
+        if m.prompt_token_ids is not None:
+            return self.on_tokenized(key, m.prompt_token_ids.tolist(), None, now)
+        ob = Outbox()
+        if m.messages is not None:
+            ob.tokenize_prompt(key, model, None, [msgspec.structs.asdict(x) for x in m.messages])
+        else:
+            ob.tokenize_prompt(key, model, m.prompt)
+        return ob
+
+    def on_tokenized(self, key: str, ids: list[int] | None, err: Exception | None, now: float) -> Outbox:
+        """A prompt's token ids (or the tokenizer's error) for request `key`."""
+        ob = Outbox()
+        live = self.live.get(key)
+        if live is None:
+            return ob  # aborted meanwhile
+        try:
+            if isinstance(err, ZeroserveError):  # e.g. a model without a chat template: its own words
+                raise err
+            if err is not None:
+                raise InvalidRequest(f"the prompt could not be tokenized: {err}")
+            self._admit(live, ids)
+        except ZeroserveError as e:
+            self._fail(live, e, ob)
+        return ob
+
+    def on_abort(self, ident: bytes, m: P.Abort, now: float) -> Outbox:
+        self.client_seen[ident] = now
+        ob = Outbox()
+        key = self.by_client.get((ident, m.request_id))
+        if key is not None:
+            self._abort(self.live[key], "abort", ob)
+        return ob
+
+    def on_ping(self, ident: bytes, m: P.Ping, now: float) -> Outbox:
+        self.client_seen[ident] = now
+        ob = Outbox()
+        ob.to_client(ident, P.Pong(nonce=m.nonce, scheduler_id=self.id))
+        return ob
+
+    def on_stats_request(self, ident: bytes, m: P.StatsRequest, now: float) -> Outbox:
+        self.client_seen[ident] = now
+        ob = Outbox()
+        ob.to_client(ident, P.StatsReply(stats=self.stats(now)))
+        return ob
+
+    def on_models_request(self, ident: bytes, m: P.ModelsRequest, now: float) -> Outbox:
+        self.client_seen[ident] = now
+        ob = Outbox()
+        ob.to_client(ident, P.ModelsReply(models=[
+            P.ModelCard(id=name, max_model_len=self.groups.max_model_len(name), groups=len(self.groups.ready(name)))
+            for name in self.models]))
+        return ob
+
+    # ================================================================ requests
+    def _admit(self, live: Live, ids: list[int]) -> None:
+        vocab = self.models[live.model].cfg.vocab_size
+        max_len = self.groups.max_model_len(live.model)
+        check_prompt_ids(ids, vocab, max_len)
+        check_params_for_model(live.params, vocab)
+        live.prompt_ids = ids
+        live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len)]
+        self.delivery.add(live)
+        self._route(live)
+
+    def _route(self, live: Live) -> None:
+        """Pick the group for a request: prefix-cache hits first, then the least loaded."""
+        best, best_key = None, None
+        for g in self.groups.ready(live.model):
+            hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids) if live.prompt_ids else 0
+            crowded = g.load() >= g.policy.max_num_seqs  # a hit is worth little behind a full batch
+            key = (not crowded and hit > 0, hit if not crowded else 0, -g.load(), g.policy.bm.num_free_blocks)
+            if best_key is None or key > best_key:
+                best, best_key = g, key
+        if best is None:
+            live.group = None
+            self.pending.append(live)
+            return
+        live.group = best.name
+        for s in live.seqs:
+            if not s.req.finished:
+                best.policy.add_request(s.req)
+
+    def _route_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        for live in pending:
+            self._route(live)
+
+    def _requeue(self, reqs: list[Request]) -> None:
+        """Route again the requests of groups that ended; they keep the tokens they have."""
+        lives: dict[str, Live] = {}
+        for r in reqs:
+            ref = self.delivery.get(r.req_id)
+            if ref is not None:
+                lives[ref.live.key] = ref.live
+        for live in lives.values():
+            self._route(live)
+
+    def _fail(self, live: Live, err: ZeroserveError, ob: Outbox) -> None:
+        ob.to_client(live.client, P.Error.from_exception(err, live.request_id))
+        self._forget(live)
+
+    def _abort(self, live: Live, reason: str, ob: Outbox) -> None:
+        g = self.groups.get(live.group)
+        if g is not None and g.policy is not None:
+            for s in live.seqs:
+                g.policy.finish_request(s.req.req_id, reason)
+        self.delivery.abort(live, reason, ob)
+        self._forget(live)
+
+    def _forget(self, live: Live) -> None:
+        self.live.pop(live.key, None)
+        self.by_client.pop((live.client, live.request_id), None)
+        self.delivery.remove(live)
+        if live in self.pending:
+            self.pending.remove(live)
+
+    # ================================================================ workers
+    def on_hello(self, ident: bytes, h: P.Hello, now: float) -> Outbox:
+        ob = Outbox()
+        reason = check_version(h)
+        if reason:
+            self.groups.refuse(ident, reason, ob)
+        elif h.role == "detokenizer":
+            self.delivery.joined(ident, h, now, list(self.live.values()), ob)
+        else:
+            self._requeue(self.groups.hello(ident, h, now, ob))
+        return ob
+
+    def on_peer_error(self, ident: bytes, m: P.Error, now: float) -> Outbox:
+        log.warning("peer reported an error", code=m.code, message=m.message)
+        return Outbox()
+
+    def _from_worker(self, ident: bytes, msg, now: float, ob: Outbox):
+        """(group, shard) of a worker message; None to ignore it (the detokenizer's are its own)."""
+        if self.delivery.own(ident, msg, now):
+            return None
+        return self.groups.sender(ident, msg, now, ob)
+
+    def on_step_result(self, ident: bytes, m: P.StepResult, now: float) -> Outbox:
+        ob = Outbox()
+        src = self._from_worker(ident, m, now, ob)
+        if src is not None:
+            g = src[0]
+            events = self.groups.step_result(g, m)
+            if events is not None:
+                # overlap: the next step goes first in the outbox, so the group computes it
+                # while the shell routes this result's outputs
+                self.groups.dispatch(g, now, ob)
+                self._accept(events, now)
+        return ob
+
+    def on_heartbeat(self, ident: bytes, m: P.Heartbeat, now: float) -> Outbox:
+        ob = Outbox()
+        src = self._from_worker(ident, m, now, ob)
+        if src is not None:
+            src[1].stats = m.stats
+        return ob
+
+    def on_probe_ack(self, ident: bytes, m: P.ProbeAck, now: float) -> Outbox:
+        ob = Outbox()
+        src = self._from_worker(ident, m, now, ob)
+        if src is not None and self.groups.probe_ack(src[0], src[1], m):
+            self._route_pending()
+        return ob
+
+    def on_drain(self, ident: bytes, m: P.Drain, now: float) -> Outbox:
+        ob = Outbox()
+        src = self._from_worker(ident, m, now, ob)
+        if src is not None:
+            self.groups.drain(src[0], m.worker_id, now)
+        return ob
+
+    def on_goodbye(self, ident: bytes, m: P.Goodbye, now: float) -> Outbox:
+        ob = Outbox()
+        src = self._from_worker(ident, m, now, ob)
+        if src is not None:
+            self._requeue(self.groups.gone(src[0], f"worker {m.worker_id} left: {m.reason}", ob))
+        return ob
+
+    def on_worker_error(self, ident: bytes, m: P.WorkerError, now: float) -> Outbox:
+        ob = Outbox()
+        src = self._from_worker(ident, m, now, ob)
+        if src is not None:
+            log.error("worker error", worker=m.worker_id, seq=m.seq, message=m.message)
+            self._requeue(self.groups.gone(src[0], f"worker {m.worker_id} failed: {m.message}", ob))
+        return ob
+
+    def on_detok_outputs(self, ident: bytes, m: P.DetokOutputs, now: float) -> Outbox:
+        for live in self.delivery.on_outputs(ident, m, now, self._stop_string):
+            self._forget(live)
+        return Outbox()
+
+    def _stop_string(self, live: Live, s: Seq, stop: str) -> None:
+        g = self.groups.get(live.group)
+        if g is not None and g.policy is not None and not s.req.finished:
+            g.policy.finish_request(s.req.req_id, "stop", stop)
+
+    def _accept(self, events, now: float) -> None:
+        n = self.delivery.accept(events)
+        self.tokens_total += n
+        self.rate_window.append(Rate(now, n))
+
+    def flush(self) -> Outbox:
+        """What this loop turn produced: tokens for the detokenizer, one Outputs per client."""
+        ob = Outbox()
+        self.delivery.flush(ob)
+        return ob
+
+    # ================================================================ steps and timers
+    def dispatch(self, now: float) -> Outbox:
+        ob = Outbox()
+        self.groups.dispatch_all(now, ob)
+        return ob
+
+    def tick(self, now: float) -> Outbox:
+        ob = Outbox()
+        self.groups.probe(now, ob)
+        if now - self.last_checks < CHECK_INTERVAL_S:
+            return ob
+        self.last_checks = now
+        self._requeue(self.groups.check(now, ob))
+        self.delivery.check(now, self.cfg.heartbeat_timeout_s)
+        for live in list(self.live.values()):
+            if live.deadline is not None and now > live.deadline:
+                ob.to_client(live.client, P.Error(
+                    request_id=live.request_id, code="timeout",
+                    message=f"request {live.request_id!r} did not finish within its timeout"))
+                self._abort(live, "abort", ob)
+            elif now - self.client_seen.get(live.client, now) > self.cfg.client_timeout_s:
+                log.info("client silent; aborting its request", request=live.request_id)
+                self._abort(live, "abort", ob)
+            elif live.group is None and now - live.created > self.cfg.no_worker_timeout_s:
+                self._fail(live, RequestTimeout(
+                    f"no worker serving model {live.model!r} became available within "
+                    f"{self.cfg.no_worker_timeout_s:.0f}s; start a worker for it"), ob)
+        for c in [c for c, t in self.client_seen.items() if now - t > 3 * self.cfg.client_timeout_s]:
+            del self.client_seen[c]
+        if now - self.last_stats >= self.cfg.stats_interval_s:
+            self.last_stats = now
+            ob.event(b"stats", P.Event(kind="stats", ts=time.time(), data=self.stats(now)))
+        return ob
+
+    def close(self) -> Outbox:
+        ob = Outbox()
+        self.groups.close(ob)
+        return ob
+
+    # ================================================================ introspection
+    def tokens_per_s(self, now: float) -> float:
+        self.rate_window = [r for r in self.rate_window if now - r.t <= 10.0]
+        if not self.rate_window:
+            return 0.0
+        span = max(now - self.rate_window[0].t, 1.0)
+        return sum(r.tokens for r in self.rate_window) / span
+
+    def stats(self, now: float) -> dict:
+        return {
+            "scheduler_id": self.id, "uptime_s": round(now - self.started, 3), "addresses": self.addresses,
+            "models": list(self.models), "groups": self.groups.stats(now), "requests": len(self.live),
+            "queue": len(self.pending), "tokens_total": self.tokens_total,
+            "tokens_per_s": round(self.tokens_per_s(now), 2),
+            "detokenizer": {"connected": self.delivery.detok is not None,
+                            "worker_id": self.delivery.detok.worker_id if self.delivery.detok else None},
+        }
+
+
+__all__ = ["Cluster", "Live", "ModelInfo", "Seq"]

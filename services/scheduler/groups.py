@@ -1,0 +1,343 @@
+"""Worker groups: the registry and each group's lifecycle, free of sockets.
+
+JOINING (waiting for every TP shard's HELLO) -> PROBING (a PUB drops what a SUB that has not
+subscribed yet misses, so steps wait until every shard acknowledged a probe on its topic) ->
+READY -> DRAINING (finishes what it runs, takes nothing new) -> GONE. A group has its own
+policy (block manager and running set) and at most one step in flight. Methods take the time
+`now` and put what must be sent into an `Outbox`; those that end groups return the requests
+the groups held, for the cluster to route again.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from common import messages as P
+from common.errors import InvalidRequest
+from common.log import get_logger
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.outbox import Outbox
+from services.scheduler.policy import Scheduler as Policy
+from services.scheduler.policy import TokenEvent
+from services.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from services.scheduler.cluster import ModelInfo
+    from common.config import SchedulerConfig
+
+log = get_logger("scheduler")
+
+CHECK_INTERVAL_S = 0.25  # liveness checks need not run on every loop turn
+
+
+class GroupState(enum.Enum):
+    JOINING = "joining"  # waiting for all TP shards to say HELLO
+    PROBING = "probing"  # every shard connected; waiting for each SUB to see the topic
+    READY = "ready"
+    DRAINING = "draining"  # finishing what it runs, takes nothing new
+    GONE = "gone"
+
+
+@dataclass
+class Shard:
+    hello: P.Hello
+    identity: bytes
+    last_seen: float
+    stats: dict = field(default_factory=dict)
+    probe_acked: bool = False
+    welcomed: bool = False
+
+
+class InFlight(NamedTuple):
+    """The one step a group is computing."""
+
+    seq: int
+    step: P.Step
+    sent_at: float
+
+
+class ShardRef(NamedTuple):
+    group: str
+    rank: int
+
+
+@dataclass
+class Group:
+    name: str
+    model: str
+    tp_size: int
+    shards: dict[int, Shard] = field(default_factory=dict)  # by TP rank
+    state: GroupState = GroupState.JOINING
+    policy: Policy | None = None  # made when the group is READY (it needs every shard's capacity)
+    seq: int = 0  # of the last step sent; restarts at each READY
+    in_flight: InFlight | None = None
+    probe_id: str = ""
+    last_probe: float = 0.0
+    dist_init_addr: str | None = None  # rank 0's torch.distributed address, for the other ranks
+    drain_started: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+
+    def load(self) -> int:
+        return self.policy.num_unfinished if self.policy else 0
+
+
+class Groups:
+    """Every worker group this scheduler knows, by name, and which shard each worker id is."""
+
+    def __init__(self, cfg: SchedulerConfig, models: dict[str, ModelInfo], scheduler_id: str, step_addr: str) -> None:
+        self.cfg = cfg
+        self.models = models
+        self.scheduler_id = scheduler_id
+        self.step_addr = step_addr  # the steps PUB address workers dial (advertised host)
+        self.groups: dict[str, Group] = {}
+        self.shard_of: dict[str, ShardRef] = {}  # worker_id -> where it sits
+
+    # ================================================================ lookups
+    def get(self, name: str | None) -> Group | None:
+        return self.groups.get(name) if name else None
+
+    def values(self) -> list[Group]:
+        return list(self.groups.values())
+
+    def shard(self, worker_id: str) -> Shard | None:
+        ref = self.shard_of.get(worker_id)
+        g = self.groups.get(ref.group) if ref else None
+        return g.shards.get(ref.rank) if g else None
+
+    def group_of(self, worker_id: str) -> Group | None:
+        ref = self.shard_of.get(worker_id)
+        return self.groups.get(ref.group) if ref else None
+
+    def ready(self, model: str) -> list[Group]:
+        return [g for g in self.groups.values() if g.state == GroupState.READY and g.model == model]
+
+    def probing(self) -> bool:
+        return any(g.state == GroupState.PROBING for g in self.groups.values())
+
+    def max_model_len(self, model: str) -> int:
+        m = self.models[model].cfg.max_position_embeddings
+        if self.cfg.max_model_len:
+            m = min(m, self.cfg.max_model_len)
+        for g in self.groups.values():
+            if g.model == model and g.policy is not None:
+                m = min(m, g.policy.max_model_len)
+        return m
+
+    # ================================================================ joining
+    def refuse(self, ident: bytes, reason: str, ob: Outbox) -> None:
+        log.warning("refused a peer", reason=reason)
+        ob.to_backend(ident, P.Welcome(status="refused", detail=reason, scheduler_id=self.scheduler_id))
+
+    def hello(self, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> list[Request]:
+        """A worker shard's HELLO (version already checked). Returns the requests of a group
+        this shard's reconnect ended."""
+        if h.model not in self.models:
+            self.refuse(ident, f"this scheduler has no tokenizer for model {h.model!r} (serves "
+                               f"{sorted(self.models)}); start the scheduler with --model for it", ob)
+            return []
+        if h.block_size <= 0 or h.num_kv_blocks <= 0:
+            self.refuse(ident, "a worker must report its KV capacity (num_kv_blocks, block_size)", ob)
+            return []
+        orphans: list[Request] = []
+        if h.worker_id in self.shard_of:
+            old, shard = self.group_of(h.worker_id), self.shard(h.worker_id)
+            if shard is not None and shard.identity != ident and old.state != GroupState.GONE:
+                self.refuse(ident, f"worker id {h.worker_id!r} is already connected from another "
+                                   "connection; give each worker a unique --worker-id", ob)
+                return []
+            if old is not None and old.state in (GroupState.JOINING, GroupState.PROBING) and shard is not None:
+                shard.identity, shard.last_seen, shard.welcomed = ident, now, False  # a repeated HELLO
+                self._welcome(old, ob)
+                return []
+            if old is not None and old.state != GroupState.GONE:
+                orphans = self.gone(old, f"worker {h.worker_id} reconnected", ob)
+        name = h.group or f"g-{h.worker_id}"
+        g = self.groups.get(name)
+        if g is None or g.state == GroupState.GONE:
+            g = self.groups[name] = Group(name, h.model, h.tp_size)
+        first = next(iter(g.shards.values()), None)
+        if g.model != h.model or g.tp_size != h.tp_size:
+            self.refuse(ident, f"group {name!r} serves {g.model!r} with tp_size {g.tp_size}; this shard "
+                               f"says {h.model!r} / {h.tp_size}", ob)
+        elif g.state != GroupState.JOINING or h.tp_rank in g.shards:
+            self.refuse(ident, f"rank {h.tp_rank} of group {name!r} is already connected", ob)
+        elif first is not None and first.hello.block_size != h.block_size:
+            self.refuse(ident, f"block_size {h.block_size} differs from the group's {first.hello.block_size}", ob)
+        else:
+            self._join(g, ident, h, now, ob)
+        return orphans
+
+    def _join(self, g: Group, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> None:
+        g.shards[h.tp_rank] = Shard(h, ident, now)
+        self.shard_of[h.worker_id] = ShardRef(g.name, h.tp_rank)
+        log.info("worker joined", group=g.name, worker=h.worker_id, rank=h.tp_rank, tp=h.tp_size, device=h.device,
+                 kv_blocks=h.num_kv_blocks, pid=h.pid)
+        if h.tp_rank == 0:
+            g.dist_init_addr = h.dist_init_addr
+        self._welcome(g, ob)
+        if len(g.shards) == g.tp_size:
+            g.state = GroupState.PROBING
+            g.probe_id = uuid.uuid4().hex[:8]
+            g.last_probe = 0.0
+
+    def _welcome(self, g: Group, ob: Outbox) -> None:
+        """Answer shards; ranks > 0 need rank 0's torch.distributed address first."""
+        if 0 not in g.shards:
+            return
+        for s in g.shards.values():
+            if not s.welcomed:
+                ob.to_backend(s.identity, P.Welcome(status="accepted", group=g.name, dist_init_addr=g.dist_init_addr,
+                                                    scheduler_id=self.scheduler_id, step_addr=self.step_addr))
+                s.welcomed = True
+
+    # ================================================================ messages from shards
+    def sender(self, ident: bytes, msg, now: float, ob: Outbox) -> tuple[Group, Shard] | None:
+        """The group and shard a worker message comes from; None to ignore it. A message that
+        names a worker counts only from that worker's own connection (or its heartbeat one)."""
+        shard = self.shard(msg.worker_id)
+        if shard is None:
+            if isinstance(msg, P.Heartbeat):  # we restarted, or gave its group up: it must join again
+                ob.to_backend(ident, P.Welcome(status="rejoin", scheduler_id=self.scheduler_id,
+                                               detail="unknown worker: say HELLO again"))
+            return None  # a late message from a worker we already let go
+        own = ident == shard.identity or (isinstance(msg, P.Heartbeat) and ident == f"{msg.worker_id}-hb".encode())
+        if not own:
+            raise InvalidRequest(f"{type(msg).__name__} names worker {msg.worker_id!r} but comes from another connection")
+        shard.last_seen = now
+        return self.group_of(msg.worker_id), shard
+
+    def probe_ack(self, g: Group, shard: Shard, m: P.ProbeAck) -> bool:
+        """True when this ack made the group READY."""
+        if m.probe_id != g.probe_id:
+            return False
+        shard.probe_acked = True
+        if g.state == GroupState.PROBING and all(s.probe_acked for s in g.shards.values()):
+            self._ready(g)
+            return True
+        return False
+
+    def _ready(self, g: Group) -> None:
+        blocks = min(s.hello.num_kv_blocks for s in g.shards.values())
+        bs = g.shards[0].hello.block_size
+        max_len = min(s.hello.max_model_len or 1 << 30 for s in g.shards.values())
+        mc = self.models[g.model].cfg
+        max_len = min(max_len, mc.max_position_embeddings)
+        if self.cfg.max_model_len:
+            max_len = min(max_len, self.cfg.max_model_len)
+        g.policy = Policy(BlockManager(blocks, bs, self.cfg.enable_prefix_caching), self.cfg.max_num_seqs,
+                          self.cfg.max_num_batched_tokens, max_len, mc.eos_token_ids)
+        g.state = GroupState.READY
+        g.seq = 0
+        log.info("group ready", group=g.name, model=g.model, tp=g.tp_size, kv_blocks=blocks)
+
+    def drain(self, g: Group, worker_id: str, now: float) -> None:
+        if g.state in (GroupState.READY, GroupState.PROBING, GroupState.JOINING):
+            log.info("group draining", group=g.name, worker=worker_id)
+            g.state = GroupState.DRAINING
+            g.drain_started = now
+
+    def step_result(self, g: Group, m: P.StepResult) -> list[TokenEvent] | None:
+        """Accept the answer to the step in flight; None for a late answer to one we gave up on."""
+        if g.in_flight is None or g.in_flight.seq != m.seq or g.policy is None:
+            return None
+        if self.shard_of[m.worker_id].rank != 0:
+            raise InvalidRequest("only rank 0 of a group answers steps")
+        step = g.in_flight.step
+        g.in_flight = None
+        events = g.policy.update(step, m)
+        g.steps += 1
+        g.tokens += step.total_tokens
+        return events
+
+    def gone(self, g: Group, reason: str, ob: Outbox) -> list[Request]:
+        """A group died or left; returns its unfinished requests, which keep their tokens."""
+        if g.state == GroupState.GONE:
+            return []
+        log.warning("group gone; requeueing its requests", group=g.name, reason=reason)
+        prev = g.state
+        g.state = GroupState.GONE
+        reqs = g.policy.drain_all() if g.policy is not None else []
+        g.in_flight = None
+        if prev != GroupState.JOINING:
+            ob.publish(g.name, P.Shutdown(reason=reason))
+        for s in g.shards.values():
+            self.shard_of.pop(s.hello.worker_id, None)
+        return reqs
+
+    # ================================================================ steps
+    def dispatch(self, g: Group, now: float, ob: Outbox) -> None:
+        """Send the group its next step, if it has none in flight and work to do."""
+        if g.in_flight is not None or g.policy is None or g.state not in (GroupState.READY, GroupState.DRAINING):
+            return
+        if not g.policy.needs_step():
+            return
+        step = g.policy.schedule()
+        if step.empty and not step.finished_req_ids:
+            return
+        g.seq += 1
+        step.seq, step.group = g.seq, g.name
+        ob.publish(g.name, step)
+        g.in_flight = InFlight(g.seq, step, now)
+
+    def dispatch_all(self, now: float, ob: Outbox) -> None:
+        for g in self.groups.values():
+            self.dispatch(g, now, ob)
+
+    # ================================================================ timers
+    def probe(self, now: float, ob: Outbox) -> None:
+        for g in self.groups.values():
+            if g.state == GroupState.PROBING and now - g.last_probe >= self.cfg.probe_interval_s:
+                g.last_probe = now
+                ob.publish(g.name, P.Probe(probe_id=g.probe_id))
+
+    def check(self, now: float, ob: Outbox) -> list[Request]:
+        """Missed heartbeats, hung steps, finished (or overdue) drains: returns the requests of
+        the groups that ended."""
+        orphans: list[Request] = []
+        cfg = self.cfg
+        for g in list(self.groups.values()):
+            if g.state == GroupState.GONE:
+                continue
+            stale = [s for s in g.shards.values() if now - s.last_seen > cfg.heartbeat_timeout_s]
+            if stale:
+                orphans += self.gone(g, f"no heartbeat from {stale[0].hello.worker_id} for "
+                                        f"{now - stale[0].last_seen:.1f}s", ob)
+            elif g.in_flight is not None and now - g.in_flight.sent_at > cfg.step_timeout_s:
+                orphans += self.gone(g, f"step {g.in_flight.seq} made no progress in {cfg.step_timeout_s}s", ob)
+            elif g.state == GroupState.DRAINING:
+                overdue = now - g.drain_started > cfg.drain_timeout_s
+                idle = g.policy is None or not g.policy.has_work()
+                if overdue or (idle and g.in_flight is None):
+                    for s in g.shards.values():
+                        ob.to_backend(s.identity, P.Welcome(status="drained", group=g.name,
+                                                            scheduler_id=self.scheduler_id))
+                    orphans += self.gone(g, "drained", ob)
+        return orphans
+
+    def close(self, ob: Outbox) -> None:
+        for g in self.groups.values():
+            if g.state != GroupState.GONE:
+                ob.publish(g.name, P.Shutdown(reason="scheduler stopping"))
+
+    def stats(self, now: float) -> list[dict]:
+        out = []
+        for g in self.groups.values():
+            if g.state == GroupState.GONE:
+                continue
+            ps = g.policy.stats() if g.policy else {}
+            out.append({
+                "name": g.name, "model": g.model, "state": g.state.value, "tp_size": g.tp_size,
+                "steps": g.steps, "tokens": g.tokens, **ps,
+                "workers": [{
+                    "worker_id": s.hello.worker_id, "rank": r, "pid": s.hello.pid, "host": s.hello.host,
+                    "device": s.hello.device, "kv_blocks": s.hello.num_kv_blocks,
+                    "rss_bytes": s.hello.memory.rss_bytes, "param_bytes": s.hello.memory.param_bytes,
+                    "kv_bytes": s.hello.memory.kv_bytes,
+                    "heartbeat_age_s": round(now - s.last_seen, 3), **{f"w_{k}": v for k, v in s.stats.items()},
+                } for r, s in sorted(g.shards.items())],
+            })
+        return out
