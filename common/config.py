@@ -262,6 +262,8 @@ class LivenessArgs:
     step_timeout_s: float = knob(120.0, "seconds a step may take before its group is given up", flag="--step-timeout")
     client_timeout_s: float = knob(10.0, "seconds a silent client keeps its requests", flag="--client-timeout")
     drain_timeout_s: float = knob(60.0, "seconds a draining group may finish its requests", flag="--drain-timeout")
+    max_failovers: int = knob(3, "times a request may lose its worker group before it ends with an error "
+                                 "(instead of crash-looping the next group)")
 
 
 @dataclass(kw_only=True)
@@ -333,6 +335,33 @@ class LaunchArgs:
 
     workers: int = knob(1, "worker groups to start")
     tp: int = knob(1, "tensor-parallel shards per worker group")
+    gateway: bool = knob(True, "do not start the OpenAI-compatible HTTP gateway", flag="--no-gateway")
+    gateway_port: int = knob(8000, "the HTTP gateway's port")
+
+
+@dataclass(kw_only=True)
+class MetricsArgs:
+    """metrics"""
+
+    metrics_port: int = knob(0, "serve Prometheus metrics over HTTP on this port, on the scheduler's host (0 = off; "
+                                "the gateway's /metrics serves them too)")
+
+
+@dataclass(kw_only=True)
+class GatewayArgs(CurveClientArgs):
+    """HTTP gateway (OpenAI-compatible API)"""
+
+    scheduler: str = knob(f"tcp://127.0.0.1:{DEFAULT_PORT}", "the scheduler's client address")
+    host: str = knob("127.0.0.1", "HTTP bind host")
+    port: int = knob(8000, "HTTP port")
+    models: list[str] = knob(help="model directory (or .gguf) whose tokenizer /tokenize, /detokenize and logprob "
+                                  "token strings use, loaded on first use (repeatable; default: none)",
+                             flag="--model", factory=list)
+    api_key: str | None = knob(None, "require `Authorization: Bearer KEY` on /v1/* (default: open)")
+    max_body_bytes: int = knob(4 << 20, "largest request body accepted (413 above)")
+    timeout_s: float = knob(10.0, "seconds the scheduler may stay silent before requests get 503", flag="--timeout")
+    request_timeout_s: float | None = knob(None, "limit on one request's total time (504 after it; default: none)",
+                                           flag="--request-timeout")
 
 
 @dataclass(kw_only=True)
@@ -401,7 +430,8 @@ WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArg
 
 
 @dataclass(kw_only=True)
-class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, ChatArgs, SchedulerArgs, LivenessArgs, CurveArgs):
+class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, ChatArgs, SchedulerArgs, LivenessArgs, MetricsArgs,
+                      CurveArgs):
     """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
 
     no_worker_timeout_s: float = 300.0  # a request waits this long for a group serving its model

@@ -111,6 +111,14 @@ class ModelsRequest(Message):
     pass
 
 
+class MetricsRequest(Message):
+    """Ask for the scheduler's Prometheus metrics (the text its --metrics-port serves)."""
+
+
+class MetricsReply(Message):
+    text: str = ""  # Prometheus text exposition format
+
+
 class ModelCard(Message):
     id: Name
     max_model_len: Count = 0
@@ -472,7 +480,8 @@ class Event(Message):
 # every top-level message, by its tag on the wire (the class name); nested-only structs are not
 MESSAGE_TYPES: dict[bytes, type[Message]] = {
     cls.__name__.encode(): cls
-    for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, Output, Outputs,
+    for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, MetricsRequest,
+                MetricsReply, Output, Outputs,
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }

@@ -5,7 +5,11 @@
   MAXMSGSIZE (a peer sending a bigger frame is disconnected by libzmq; it reconnects by
   itself and the socket keeps serving everyone else), ROUTER_MANDATORY on ROUTER sockets (a
   send to a peer that is gone fails instead of vanishing) and ROUTER_HANDOVER (a restarted
-  peer reusing its identity takes the route over), TCP keepalive. Works with ``zmq.Context``
+  peer reusing its identity takes the route over; ``router_handover=False`` keeps one live
+  connection per identity instead: libzmq never reads a second DEALER that shows an identity
+  in use, and the identity is free again once the first connection is gone, which ZMTP
+  heartbeats, ``heartbeat_ivl_ms``, notice for peers that vanish without closing it; the
+  scheduler's backend ROUTER works that way), TCP keepalive. Works with ``zmq.Context``
   and ``zmq.asyncio.Context``.
 * Addresses: a bare port number means ``tcp://127.0.0.1:<port>``; ``bind_free_port(sock)``
   binds an ephemeral port on 127.0.0.1 and returns the address. Bind elsewhere only when

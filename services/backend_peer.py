@@ -7,6 +7,10 @@ ROUTER and, through `BackendPeer`:
   "refused" (raises `Refused` with the scheduler's reason) or "drained" (returns None, as does
   `stop` being set). HELLOs never block (a blocking send hangs while no connection exists, and
   then SIGTERM could not stop us); when nobody answers it logs a hint about CURVE keys.
+  One live connection per identity: the scheduler's backend ROUTER never reads a second DEALER
+  showing an identity in use, so a peer whose connection is up (handshake done) but whose
+  HELLOs get no answer for DUPLICATE_AFTER_S is a duplicate: `join` raises `Refused` naming
+  the identity (ranks > 0 of a TP group wait for rank 0 unanswered, so they do not conclude).
 * heartbeats every `heartbeat_interval_s`: from the caller's loop on the main socket
   (`maybe_heartbeat`: the detokenizer), or from a thread with its own DEALER `<id>-hb`
   (`start_heartbeats`: a worker, whose steps may take longer than the scheduler's heartbeat
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common import messages as P
 from common.codec import ProtocolError
@@ -42,6 +47,9 @@ JOIN_WAIT_S = 5.0  # one HELLO waits this long for its WELCOME before the next
 HINT_MAX_EVERY_S = 60.0  # the "no answer" hint comes after 5 s, then at doubling intervals up to this
 STALE_HEARTBEATS = 3  # a "rejoin" this many intervals after WELCOME may answer a heartbeat sent before it
 STUCK_AFTER_S = 10.0
+# connected yet never answered this long: another connection holds our identity (the scheduler
+# drops a vanished peer's connection after 3 s of missed ZMTP heartbeats, well within this)
+DUPLICATE_AFTER_S = 10.0
 
 
 class Refused(Exception):
@@ -62,8 +70,15 @@ class BackendPeer:
         self.curve = curve
         self.socket_kw = curve.socket_kwargs() if curve else {}
         self.hb_interval = heartbeat_interval_s
-        self.ch = Channel(make_socket(ctx, zmq.DEALER, connect=scheduler_addr, identity=peer_id, immediate=immediate,
-                                      **self.socket_kw))
+        sock = make_socket(ctx, zmq.DEALER, identity=peer_id, immediate=immediate, **self.socket_kw)
+        try:  # before connecting, so the first handshake is seen
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sock.connect(scheduler_addr)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self.ch = Channel(sock)
+        self._up_since: float | None = None  # the connection's handshake time (None: not connected)
         self.rejoin = threading.Event()  # the scheduler does not know us (any more): start over
         self.drained = threading.Event()  # the scheduler let our group go after a drain: leave
         self._joined = threading.Event()
@@ -82,18 +97,27 @@ class BackendPeer:
         """HELLO until WELCOME; other messages that arrive meanwhile go to ``on_message``."""
         self._joined.clear()
         hint_at, hint_every = time.monotonic() + JOIN_WAIT_S, JOIN_WAIT_S
+        heard = time.monotonic()  # the last time anything came from the scheduler
         while not stop.is_set():
+            h = hello()
+            self._watch_connection()
+            up = self._up_since
+            if h.tp_rank == 0 and up is not None and time.monotonic() - max(up, heard) > DUPLICATE_AFTER_S:
+                raise Refused(f"the scheduler at {self.scheduler_addr} accepts this connection but never reads it: "
+                              f"another live connection already uses the identity {self.id!r} (a second {self.role} "
+                              f"with the same id, e.g. a duplicate --worker-id {self.id}); give each one a unique id")
             if time.monotonic() >= hint_at:
                 self._hint()
                 hint_every = min(2 * hint_every, HINT_MAX_EVERY_S)
                 hint_at = time.monotonic() + hint_every
-            if not self.ch.try_send(hello()):  # nothing connected (IMMEDIATE), or a full queue
+            if not self.ch.try_send(h):  # nothing connected (IMMEDIATE), or a full queue
                 stop.wait(0.1)
                 continue
             deadline = time.monotonic() + JOIN_WAIT_S
             while time.monotonic() < deadline and not stop.is_set():
                 if not self.ch.poll(0.2):
                     continue
+                heard = time.monotonic()
                 try:
                     _, msg = self.ch.recv()
                 except ProtocolError as e:
@@ -116,6 +140,19 @@ class BackendPeer:
                     return None
                 # "rejoin": the answer to a heartbeat sent before this HELLO
         return None
+
+    def _watch_connection(self) -> None:
+        """Follow the main connection's state from the socket monitor."""
+        mon = self._monitor
+        while mon is not None and mon.poll(0):
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up_since = time.monotonic()
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                self._up_since = None
 
     def _hint(self) -> None:
         if self.curve:
@@ -210,4 +247,11 @@ class BackendPeer:
         self._closed.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
+        if self._monitor is not None:
+            try:
+                self.ch.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
         self.ch.close()

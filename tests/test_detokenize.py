@@ -312,3 +312,42 @@ def test_fuzz_sentencepiece_style(sp_tok):
         full = _decode(sp_tok, ids, params.skip_special_tokens)
         if trial % 2 == 0 or "\ufffd" not in full:
             assert (d.text, d.stop_str) == _ref_stop(full, stops, params.include_stop_str_in_output), (trial, ids)
+
+
+# --------------------------------------------------------------------------- the detokenizer's Decoder
+@pytest.fixture(scope="module")
+def decoder(tok, tmp_path_factory):
+    """The same tokenizer saved as a model directory, loaded the way the detokenizer loads it."""
+    from common.tokenizer import Decoder
+
+    d = tmp_path_factory.mktemp("tok")
+    tok.save_pretrained(str(d))
+    return Decoder(d)
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_decoder_streams_exactly_like_the_transformers_tokenizer(tok, decoder, name):
+    ids = tok.encode(TEXTS[name] + "<|im_end|> tail", add_special_tokens=False)
+    for skip in (True, False):
+        params = SamplingParams(skip_special_tokens=skip, stop=["done"] if name == "mixed" else None)
+        a, da, ta = _stream(tok, ids, params)
+        b, db, tb = _stream(decoder, ids, params)
+        assert (da, ta, a.stop_str) == (db, tb, b.stop_str)
+        assert decoder.decode(ids, skip_special_tokens=skip) == _decode(tok, ids, skip)
+
+
+def test_detokenizer_loads_no_transformers_nor_torch(tmp_path):
+    """Its restart time is the streams' stall: the decode path needs only `tokenizers`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import cached_model_dir
+
+    code = ("import sys; import services.detokenizer.service as s; from common.tokenizer import load_decoder; "
+            f"load_decoder({str(cached_model_dir('llama'))!r}); "
+            "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

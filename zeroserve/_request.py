@@ -108,21 +108,27 @@ class _Req:
         "fin",
         "finish",
         "first_delta",
+        "frames",
         "n",
+        "nonce0",
         "num_cached",
         "parts",
         "prompt",
         "prompt_ids",
         "queue",
         "remaining",
+        "retries",
         "rid",
         "sent_ids",
+        "sid",
+        "started",
         "stop",
         "streaming",
         "t0",
         "timer",
         "waiter",
         "want_lp",
+        "wire",
     )
 
     def __init__(self, rid: str, sp: SamplingParams, streaming: bool, t0: float, prompt: str | None,
@@ -148,9 +154,18 @@ class _Req:
         self.error: BaseException | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.first_delta = True
+        # which scheduler holds it (learnt from the first Pong to a Ping sent after the Submit;
+        # a Pong from another scheduler means the request was lost with the old one)
+        self.wire = rid  # the request id on the wire: rid, or rid~k for the k-th re-submission
+        self.frames: list | None = None  # the encoded Submit, kept while it may be re-submitted
+        self.nonce0 = 0  # the last Ping nonce issued before the Submit left
+        self.sid: str | None = None
+        self.retries = 0
+        self.started = False  # an Output arrived: no longer safe to re-submit
 
     def feed(self, item: P.Output) -> bool:
         """Take one Output item; True when every completion has finished."""
+        self.started = True
         if self.prompt_ids is None and item.prompt_token_ids is not None:
             self.prompt_ids = item.prompt_token_ids
             self.num_cached = item.num_cached_tokens

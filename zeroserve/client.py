@@ -26,6 +26,12 @@ client ROUTER, and two background tasks on the event loop the client is first us
 * the liveness ticker runs only while requests are live: it sends ``Ping`` every second (the
   scheduler aborts the requests of a client silent for 10 s) and fails every live request
   with ``ClusterUnavailable`` once nothing at all came from the scheduler for ``timeout_s``.
+* every ``Pong`` names the scheduler (``scheduler_id``, new at each start). A request belongs to
+  the scheduler that answers the first Ping sent after its Submit; a Pong from another one
+  means the scheduler restarted and the request is lost with it: it fails at once with
+  ``ClusterUnavailable("the scheduler restarted; ...")`` (within a ping interval of the new
+  scheduler's start), or, with ``retries=N``, is submitted again to the new scheduler when
+  it had no output yet (nothing was streamed, so a second run repeats nothing).
 
 Every way a request can end early on the client side (``abort()``, ``request_timeout_s``, the
 cluster going silent, leaving a stream with ``break`` / ``aclose()``, cancelling the task that
@@ -77,6 +83,7 @@ log = logging.getLogger("zeroserve.client")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7000"
 PING_INTERVAL_S = 1.0  # the scheduler's client_timeout (10 s) counts on this
+RESTARTED = "the scheduler restarted; request lost, retry"
 
 
 def _swallow(fut: asyncio.Future) -> None:
@@ -101,11 +108,16 @@ class AsyncClient:
     None = ``$ZEROSERVE_CURVE_KEYS`` if set, ``False`` = plain even then. ``curve_client_name``:
     whose key to use (``clients/NAME.key_secret``); None = ``$ZEROSERVE_CURVE_CLIENT`` or "client".
     A missing key file raises ``CurveKeyError`` here, naming the file.
+    ``retries``: how many times a request the scheduler lost in a restart is submitted again to
+    the new one, as long as none of its output had arrived (0: it fails with ClusterUnavailable).
     """
 
     def __init__(self, address: str | int = DEFAULT_ADDRESS, timeout_s: float = 10.0,
                  request_timeout_s: float | None = None, *, curve_keys: str | os.PathLike | bool | None = None,
-                 curve_client_name: str | None = None) -> None:
+                 curve_client_name: str | None = None, retries: int = 0) -> None:
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+            raise InvalidRequest(f"retries must be an integer in [0, 100], got {retries!r}")
+        self.retries = retries
         try:
             self.address = tcp_addr(address)
         except ValueError as e:
@@ -125,8 +137,11 @@ class AsyncClient:
         self._reqs: dict[str, _Req] = {}
         self._pongs: dict[int, asyncio.Future] = {}
         self._replies: dict[type, collections.deque] = {P.StatsReply: collections.deque(),
-                                                        P.ModelsReply: collections.deque()}
+                                                        P.ModelsReply: collections.deque(),
+                                                        P.MetricsReply: collections.deque()}
         self._nonces = itertools.count(1)
+        self._nonce = 0  # the last Ping nonce issued
+        self._scheduler_id: str | None = None  # from the last Pong that named one
         self._last_rx = 0.0
         self._live_evt: asyncio.Event | None = None
         self._closed = False
@@ -231,12 +246,17 @@ class AsyncClient:
         frames = encode(P.Submit(request_id=request_id, prompt=text, prompt_token_ids=ids, params=sp,
                                  stream=streaming, timeout_s=timeout, messages=msgs))
         r = _Req(request_id, sp, streaming, loop.time(), text, ids, None if streaming else loop.create_future())
+        r.nonce0, r.retries = self._nonce, self.retries
+        if self.retries:
+            r.frames = frames
         if timeout is not None:
             r.timer = loop.call_later(timeout, self._on_request_timeout, r, timeout)
         if not self._reqs:
             self._live_evt.set()
         self._reqs[request_id] = r
         self._send_frames(frames)
+        if self._scheduler_id is None:  # learn who holds it now, not a ping interval later
+            self._send(P.Ping(nonce=self._next_nonce()))
         return r
 
     def _end(self, r: _Req, error: BaseException | None = None, *, abort: bool = False,
@@ -245,12 +265,13 @@ class AsyncClient:
         if r.ended:
             return
         r.ended = True
-        if self._reqs.get(r.rid) is r:
-            del self._reqs[r.rid]
+        r.frames = None
+        if self._reqs.get(r.wire) is r:
+            del self._reqs[r.wire]
         if r.timer is not None:
             r.timer.cancel()
         if abort:
-            self._send(P.Abort(request_id=r.rid))
+            self._send(P.Abort(request_id=r.wire))
         if local_reason is not None:
             r.end_local(local_reason)
         r.error = error
@@ -305,8 +326,8 @@ class AsyncClient:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
         self._ensure_started()
-        self._send(P.Abort(request_id=request_id))
-        r = self._reqs.get(request_id)
+        r = self._reqs.get(request_id) or next((x for x in self._reqs.values() if x.rid == request_id), None)
+        self._send(P.Abort(request_id=r.wire if r is not None else request_id))
         if r is not None:
             self._end(r, local_reason="abort")
 
@@ -314,7 +335,7 @@ class AsyncClient:
     async def health(self) -> dict:
         """Ping the scheduler -> {"ok", "scheduler_id", "protocol_version", "latency_ms", "address"}."""
         loop = self._ensure_started()
-        nonce = next(self._nonces)
+        nonce = self._next_nonce()
         fut = loop.create_future()
         self._pongs[nonce] = fut
         t0 = loop.time()
@@ -357,6 +378,10 @@ class AsyncClient:
         """The served models: [{"id", "max_model_len", "groups"}, ...]."""
         return [msgspec.structs.asdict(m) for m in (await self._ask(P.ModelsRequest(), P.ModelsReply)).models]
 
+    async def metrics(self) -> str:
+        """The scheduler's Prometheus metrics, in the text exposition format."""
+        return (await self._ask(P.MetricsRequest(), P.MetricsReply)).text
+
     # ---------------------------------------------------------------- background tasks
     async def _receiver(self) -> None:
         sock, loop, reqs = self._sock, self._loop, self._reqs
@@ -385,6 +410,7 @@ class AsyncClient:
                         if r is not None and r.feed(item):
                             self._end(r)
                 elif t is P.Pong:
+                    self._on_pong(msg)
                     fut = self._pongs.pop(msg.nonce, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
@@ -401,6 +427,54 @@ class AsyncClient:
                     log.warning("unexpected %s from the scheduler; dropped", t.__name__)
             except Exception:  # a bug here must not stop every request of this client
                 log.exception("failed to handle %s", type(msg).__name__)
+
+    def _next_nonce(self) -> int:
+        self._nonce = next(self._nonces)
+        return self._nonce
+
+    def _on_pong(self, m: P.Pong) -> None:
+        """Which scheduler holds each live request; those a restarted one lost end or go again."""
+        sid = m.scheduler_id
+        if not sid:  # a scheduler that does not say who it is
+            return
+        prev, self._scheduler_id = self._scheduler_id, sid
+        switched = prev is not None and prev != sid
+        lost = []
+        for r in self._reqs.values():
+            if r.sid == sid:
+                continue
+            if r.sid is None:
+                if m.nonce <= r.nonce0:  # a Ping sent before the Submit: says nothing about it
+                    continue
+                if not switched:
+                    r.sid = sid
+                    continue
+                # the first Pong of a new scheduler, for a Submit sent before its Ping: it may
+                # have left for the old one (and died with it); re-submitting under another
+                # wire id is safe either way (the Abort frees a copy the new one got)
+            lost.append(r)
+        if lost:
+            log.warning("the scheduler restarted (%s -> %s); %d live request(s) lost", prev, sid, len(lost))
+        for r in lost:
+            if r.retries > 0 and not r.started and r.frames is not None and not r.ended:
+                self._resubmit(r)
+            else:
+                self._end(r, ClusterUnavailable(RESTARTED), abort=True)
+
+    def _resubmit(self, r: _Req) -> None:
+        """Send a request that had no output yet again, to the scheduler now answering."""
+        self._send(P.Abort(request_id=r.wire))
+        if self._reqs.get(r.wire) is r:
+            del self._reqs[r.wire]
+        r.retries -= 1
+        attempt = self.retries - r.retries
+        r.wire = f"{r.rid}~{attempt}"
+        sub = decode(r.frames)
+        sub.request_id = r.wire
+        r.frames = encode(sub)
+        r.sid, r.nonce0 = None, self._nonce
+        self._reqs[r.wire] = r
+        self._send_frames(r.frames)
 
     def _on_error(self, m: P.Error) -> None:
         if m.request_id is not None:
@@ -427,7 +501,7 @@ class AsyncClient:
             now = loop.time()
             if now - last_ping >= self._ping_s:
                 last_ping = now
-                self._send(P.Ping(nonce=next(self._nonces)))
+                self._send(P.Ping(nonce=self._next_nonce()))
             last_rx = self._last_rx
             deadline = math.inf
             dead = []

@@ -62,14 +62,15 @@ class Client:
 
     ``stream()`` returns a normal iterator; leaving it early (``break`` and dropping it,
     ``close()``, or a ``with`` block) aborts the request. ``close()`` stops the background thread.
-    ``curve_keys`` / ``curve_client_name``: CURVE, as in ``AsyncClient``.
+    ``curve_keys`` / ``curve_client_name``: CURVE, ``retries``: re-submission after a scheduler
+    restart, as in ``AsyncClient``.
     """
 
     def __init__(self, address: str | int = DEFAULT_ADDRESS, timeout_s: float = 10.0,
                  request_timeout_s: float | None = None, *, curve_keys: str | os.PathLike | bool | None = None,
-                 curve_client_name: str | None = None) -> None:
+                 curve_client_name: str | None = None, retries: int = 0) -> None:
         self._ac = AsyncClient(address, timeout_s, request_timeout_s, curve_keys=curve_keys,
-                               curve_client_name=curve_client_name)
+                               curve_client_name=curve_client_name, retries=retries)
         self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
         self._closed = False
@@ -134,6 +135,10 @@ class Client:
 
     def models(self) -> list[dict]:
         return self._call(self._ac.models())
+
+    def metrics(self) -> str:
+        """The scheduler's Prometheus metrics (text exposition format)."""
+        return self._call(self._ac.metrics())
 
     def close(self) -> None:
         """Abort live requests, close the socket and stop the background thread (idempotent)."""

@@ -16,6 +16,18 @@ from common.sampling_params import INT32_MAX, SamplingParams
 from services.scheduler.request import Request
 
 EMPTY_PROMPT = "the prompt is empty; send some text or token ids"
+MAX_PROMPT_TEXT_BYTES = 8 << 20  # a text prompt (or a conversation's contents) is refused above this, untokenized
+
+
+def check_text_size(total: int | str, what: str = "the prompt text") -> None:
+    """Refuse text over MAX_PROMPT_TEXT_BYTES (UTF-8) before anyone tokenizes it."""
+    if isinstance(total, str):
+        if len(total) <= MAX_PROMPT_TEXT_BYTES // 4:  # cannot be over: at most 4 bytes a character
+            return
+        total = len(total.encode("utf-8", "surrogatepass"))
+    if total > MAX_PROMPT_TEXT_BYTES:
+        raise InvalidRequest(f"{what} is {total} bytes; the limit is {MAX_PROMPT_TEXT_BYTES} bytes "
+                             f"({MAX_PROMPT_TEXT_BYTES >> 20} MiB): shorten it")
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -43,6 +55,7 @@ def split_prompt(prompt: Any, vocab_size: int | None = None) -> tuple[str | None
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest(EMPTY_PROMPT)
+        check_text_size(prompt)
         return prompt, None
     if not isinstance(prompt, (list, tuple, np.ndarray)):
         raise InvalidRequest(f"a prompt is text, a list of token ids or {{'prompt_token_ids': [...]}}, "

@@ -27,9 +27,16 @@ from common import messages as P
 from common.codec import check_version
 from common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
 from common.log import get_logger
-from services.scheduler.admission import check_params_for_model, check_prompt_ids, fan_out, split_prompt
+from services.scheduler.admission import (
+    check_params_for_model,
+    check_prompt_ids,
+    check_text_size,
+    fan_out,
+    split_prompt,
+)
 from services.scheduler.delivery import Delivery, Live, Seq
-from services.scheduler.groups import CHECK_INTERVAL_S, Groups
+from services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outbox import Outbox
 from services.scheduler.request import Request
 
@@ -46,7 +53,7 @@ Handler = Callable[[bytes, Any, float], Outbox]
 class ModelInfo:
     name: str
     cfg: ModelConfig
-    tokenizer: object  # only text prompts need it
+    tokenizer: object = None  # unused by the state: the shell tokenizes (service.py)
 
 
 class Rate(NamedTuple):
@@ -75,10 +82,14 @@ class Cluster:
         self.rate_window: list[Rate] = []
         self.last_checks = 0.0
         self.last_stats = 0.0
+        self.metrics = SchedulerMetrics(max((m.cfg.max_position_embeddings for m in models.values()), default=1),
+                                        list(models))
+        self.delivery.metrics = self.metrics
 
     def client_handlers(self) -> dict[type, Handler]:
         return {P.Submit: self.on_submit, P.Abort: self.on_abort, P.Ping: self.on_ping,
-                P.StatsRequest: self.on_stats_request, P.ModelsRequest: self.on_models_request}
+                P.StatsRequest: self.on_stats_request, P.ModelsRequest: self.on_models_request,
+                P.MetricsRequest: self.on_metrics_request}
 
     def backend_handlers(self) -> dict[type, Handler]:
         return {P.Hello: self.on_hello, P.Error: self.on_peer_error, P.DetokOutputs: self.on_detok_outputs,
@@ -92,6 +103,9 @@ class Cluster:
             raise InvalidRequest(f"request id {m.request_id!r} is already running on this client")
         if m.prompt is not None and m.prompt_token_ids is None:
             split_prompt(m.prompt)  # refused the same way on every path (an empty text is no prompt)
+        if m.messages is not None:  # bounded before the chat template and the tokenizer see it
+            check_text_size(sum(len(x.content.encode("utf-8", "surrogatepass")) for x in m.messages),
+                            "the conversation's text")
         model = m.params.model or self.default_model
         if model not in self.models:
             served = sorted(self.models)
@@ -149,6 +163,13 @@ class Cluster:
         ob.to_client(ident, P.StatsReply(stats=self.stats(now)))
         return ob
 
+    def on_metrics_request(self, ident: bytes, m: P.MetricsRequest, now: float) -> Outbox:
+        self.client_seen[ident] = now
+        self.metrics.refresh(self, now)
+        ob = Outbox()
+        ob.to_client(ident, P.MetricsReply(text=self.metrics.text()))
+        return ob
+
     def on_models_request(self, ident: bytes, m: P.ModelsRequest, now: float) -> Outbox:
         self.client_seen[ident] = now
         ob = Outbox()
@@ -166,6 +187,7 @@ class Cluster:
         live.prompt_ids = ids
         live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len)]
         self.delivery.add(live)
+        self.metrics.admitted(live)
         self._route(live)
 
     def _route(self, live: Live) -> None:
@@ -191,14 +213,24 @@ class Cluster:
         for live in pending:
             self._route(live)
 
-    def _requeue(self, reqs: list[Request]) -> None:
-        """Route again the requests of groups that ended; they keep the tokens they have."""
+    def _requeue(self, reqs: list[Request], ob: Outbox) -> None:
+        """Route again the requests of groups that ended; they keep the tokens they have. One
+        whose groups died under it more than max_failovers times ends with an error instead
+        (it may be what kills them)."""
         lives: dict[str, Live] = {}
         for r in reqs:
             ref = self.delivery.get(r.req_id)
             if ref is not None:
                 lives[ref.live.key] = ref.live
         for live in lives.values():
+            n = self.groups.failovers.get(live.key, 0)
+            if n > self.cfg.max_failovers:
+                log.warning("request failed over too often; ending it", request=live.request_id, failovers=n)
+                self._fail(live, ZeroserveError(
+                    f"request {live.request_id!r} lost its worker group {n} times (more than --max-failovers "
+                    f"{self.cfg.max_failovers}); it is not run again: it may be what makes the workers fail"), ob)
+                continue
+            self.metrics.requeued(live.model)
             self._route(live)
 
     def _fail(self, live: Live, err: ZeroserveError, ob: Outbox) -> None:
@@ -211,9 +243,12 @@ class Cluster:
             for s in live.seqs:
                 g.policy.finish_request(s.req.req_id, reason)
         self.delivery.abort(live, reason, ob)
+        self.metrics.finished(live, time.monotonic(), "abort")
         self._forget(live)
 
     def _forget(self, live: Live) -> None:
+        self.metrics.forget(live.key)
+        self.groups.failovers.pop(live.key, None)
         self.live.pop(live.key, None)
         self.by_client.pop((live.client, live.request_id), None)
         self.delivery.remove(live)
@@ -229,7 +264,7 @@ class Cluster:
         elif h.role == "detokenizer":
             self.delivery.joined(ident, h, now, list(self.live.values()), ob)
         else:
-            self._requeue(self.groups.hello(ident, h, now, ob))
+            self._requeue(self.groups.hello(ident, h, now, ob), ob)
         return ob
 
     def on_peer_error(self, ident: bytes, m: P.Error, now: float) -> Outbox:
@@ -247,8 +282,15 @@ class Cluster:
         src = self._from_worker(ident, m, now, ob)
         if src is not None:
             g = src[0]
-            events = self.groups.step_result(g, m)
+            inflight = g.in_flight
+            try:
+                events = self.groups.step_result(g, m)
+            except BadStepResult as e:  # a group that answers nonsense is not trusted again
+                log.error("bad step result; ending the group", group=g.name, worker=m.worker_id, reason=str(e))
+                self._requeue(self.groups.gone(g, f"bad step result from {m.worker_id}: {e}", ob), ob)
+                return ob
             if events is not None:
+                self.metrics.step(g, inflight.step, inflight.sent_at, self.delivery)
                 # overlap: the next step goes first in the outbox, so the group computes it
                 # while the shell routes this result's outputs
                 self.groups.dispatch(g, now, ob)
@@ -280,7 +322,7 @@ class Cluster:
         ob = Outbox()
         src = self._from_worker(ident, m, now, ob)
         if src is not None:
-            self._requeue(self.groups.gone(src[0], f"worker {m.worker_id} left: {m.reason}", ob))
+            self._requeue(self.groups.gone(src[0], f"worker {m.worker_id} left: {m.reason}", ob), ob)
         return ob
 
     def on_worker_error(self, ident: bytes, m: P.WorkerError, now: float) -> Outbox:
@@ -288,11 +330,12 @@ class Cluster:
         src = self._from_worker(ident, m, now, ob)
         if src is not None:
             log.error("worker error", worker=m.worker_id, seq=m.seq, message=m.message)
-            self._requeue(self.groups.gone(src[0], f"worker {m.worker_id} failed: {m.message}", ob))
+            self._requeue(self.groups.gone(src[0], f"worker {m.worker_id} failed: {m.message}", ob), ob)
         return ob
 
     def on_detok_outputs(self, ident: bytes, m: P.DetokOutputs, now: float) -> Outbox:
         for live in self.delivery.on_outputs(ident, m, now, self._stop_string):
+            self.metrics.finished(live, now)
             self._forget(live)
         return Outbox()
 
@@ -324,7 +367,8 @@ class Cluster:
         if now - self.last_checks < CHECK_INTERVAL_S:
             return ob
         self.last_checks = now
-        self._requeue(self.groups.check(now, ob))
+        self._requeue(self.groups.check(now, ob), ob)
+        self.metrics.refresh(self, now)
         self.delivery.check(now, self.cfg.heartbeat_timeout_s)
         for live in list(self.live.values()):
             if live.deadline is not None and now > live.deadline:
@@ -367,6 +411,7 @@ class Cluster:
             "tokens_per_s": round(self.tokens_per_s(now), 2),
             "detokenizer": {"connected": self.delivery.detok is not None,
                             "worker_id": self.delivery.detok.worker_id if self.delivery.detok else None},
+            "metrics": self.metrics.summary(),  # key figures of services/scheduler/metrics.py
         }
 
 

@@ -97,6 +97,7 @@ class Delivery:
         self.detok_inflight: dict[int, dict[str, Sent]] = {}  # DetokTokens seq -> its sequences
         self.seq_index: dict[str, SeqRef] = {}  # internal seq id ("key#i") -> its request and sequence
         self.out_buf: dict[bytes, list[P.Output]] = {}  # client -> Outputs items of this loop turn
+        self.metrics = None  # services/scheduler/metrics.SchedulerMetrics, set by the cluster
 
     # ================================================================ sequences
     def add(self, live: Live) -> None:
@@ -260,6 +261,8 @@ class Delivery:
             s.delivered += len(toks)
             s.chars += len(text)
             self.output(live, s, toks, text, reason, s.req.stop_reason if reason == "stop" else None, start)
+            if self.metrics is not None:
+                self.metrics.output(live, s, len(toks), now)
             if reason is not None:
                 s.done = True
                 self.detok_tokens.pop(rid, None)

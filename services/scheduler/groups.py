@@ -31,6 +31,17 @@ if TYPE_CHECKING:
 log = get_logger("scheduler")
 
 CHECK_INTERVAL_S = 0.25  # liveness checks need not run on every loop turn
+# what a HELLO may announce (anything else is refused with the reason): block sizes the
+# workers support (common/config.py CacheArgs), a KV cache of at most 64 TiB per shard at one
+# byte per value, and at most this many groups waiting for their TP shards at once
+ALLOWED_BLOCK_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 256)
+MAX_KV_BYTES = 64 << 40
+MAX_JOINING_GROUPS = 64
+MAX_GONE_GROUPS = 64  # gone groups kept for a look (tests, logs); older ones are forgotten
+
+
+class BadStepResult(InvalidRequest):
+    """A StepResult that does not answer the step it claims to (its group is given up)."""
 
 
 class GroupState(enum.Enum):
@@ -95,6 +106,7 @@ class Groups:
         self.step_addr = step_addr  # the steps PUB address workers dial (advertised host)
         self.groups: dict[str, Group] = {}
         self.shard_of: dict[str, ShardRef] = {}  # worker_id -> where it sits
+        self.failovers: dict[str, int] = {}  # live request key -> groups that died under it
 
     # ================================================================ lookups
     def get(self, name: str | None) -> Group | None:
@@ -142,6 +154,10 @@ class Groups:
         if h.block_size <= 0 or h.num_kv_blocks <= 0:
             self.refuse(ident, "a worker must report its KV capacity (num_kv_blocks, block_size)", ob)
             return []
+        reason = self._implausible(h)
+        if reason:
+            self.refuse(ident, reason, ob)
+            return []
         orphans: list[Request] = []
         if h.worker_id in self.shard_of:
             old, shard = self.group_of(h.worker_id), self.shard(h.worker_id)
@@ -158,6 +174,11 @@ class Groups:
         name = h.group or f"g-{h.worker_id}"
         g = self.groups.get(name)
         if g is None or g.state == GroupState.GONE:
+            joining = sum(1 for x in self.groups.values() if x.state == GroupState.JOINING)
+            if joining >= MAX_JOINING_GROUPS:
+                self.refuse(ident, f"{joining} groups are waiting for their tensor-parallel shards already; "
+                                   "start the missing shards (or wait until they time out) and retry", ob)
+                return orphans
             g = self.groups[name] = Group(name, h.model, h.tp_size)
         first = next(iter(g.shards.values()), None)
         if g.model != h.model or g.tp_size != h.tp_size:
@@ -170,6 +191,20 @@ class Groups:
         else:
             self._join(g, ident, h, now, ob)
         return orphans
+
+    def _implausible(self, h: P.Hello) -> str | None:
+        """Why the capacity a HELLO announces cannot be true (None: plausible)."""
+        mc = self.models[h.model].cfg
+        if h.block_size not in ALLOWED_BLOCK_SIZES:
+            return f"block_size {h.block_size} is not one of {list(ALLOWED_BLOCK_SIZES)}"
+        if h.max_model_len > mc.max_position_embeddings:
+            return (f"max_model_len {h.max_model_len} exceeds model {h.model!r}'s max_position_embeddings "
+                    f"{mc.max_position_embeddings}")
+        block_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * h.block_size // h.tp_size
+        if h.num_kv_blocks * max(block_bytes, 1) > MAX_KV_BYTES:
+            return (f"num_kv_blocks {h.num_kv_blocks} x {max(block_bytes, 1)} bytes per block is more than "
+                    f"{MAX_KV_BYTES >> 40} TiB of KV cache; report the real capacity")
+        return None
 
     def _join(self, g: Group, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> None:
         g.shards[h.tp_rank] = Shard(h, ident, now)
@@ -241,17 +276,51 @@ class Groups:
             g.drain_started = now
 
     def step_result(self, g: Group, m: P.StepResult) -> list[TokenEvent] | None:
-        """Accept the answer to the step in flight; None for a late answer to one we gave up on."""
+        """Accept the answer to the step in flight; None for a late answer to one we gave up on.
+        Raises BadStepResult for one that does not answer the step (the caller ends the group)."""
         if g.in_flight is None or g.in_flight.seq != m.seq or g.policy is None:
             return None
         if self.shard_of[m.worker_id].rank != 0:
             raise InvalidRequest("only rank 0 of a group answers steps")
         step = g.in_flight.step
+        reason = self._check_result(g, step, m)
+        if reason:
+            raise BadStepResult(f"the answer to step {m.seq} of group {g.name!r} {reason}")
         g.in_flight = None
         events = g.policy.update(step, m)
         g.steps += 1
         g.tokens += step.total_tokens
         return events
+
+    def _check_result(self, g: Group, step: P.Step, m: P.StepResult) -> str | None:
+        """What is wrong with a result for `step` (None: nothing): the step's requests in its
+        order, a token id in [0, vocab) exactly where a sample was due (-1 elsewhere), logprob
+        ids in the vocabulary (num_tokens and step_time_s are only reported, not used)."""
+        ids = step.req_ids()
+        if m.req_ids != ids:
+            return f"names requests {m.req_ids[:4]}... instead of the step's {ids[:4]}... (in that order)"
+        vocab = self.models[g.model].cfg.vocab_size
+        tok = m.sampled_token_ids
+        if tok.size and (int(tok.min()) < -1 or int(tok.max()) >= vocab):
+            return f"samples token ids outside [0, {vocab}) (or -1 for no sample)"
+        if m.logprob_token_ids is not None and m.logprob_token_ids.size and (
+                int(m.logprob_token_ids.min()) < 0 or int(m.logprob_token_ids.max()) >= vocab):
+            return f"has logprob token ids outside [0, {vocab})"
+        # a sample is due where the request's tokens are all computed after this step
+        c = step.cached
+        ends = [(rid, done + n) for rid, done, n in zip(c.req_ids, c.num_computed_tokens.tolist(),
+                                                         c.num_scheduled_tokens.tolist())]
+        reqs = g.policy.requests
+        due = []
+        for rid, end in ends:
+            r = reqs.get(rid)
+            due.append(None if r is None else end == r.num_tokens)  # None: ended meanwhile, either way
+        due += [n.num_computed_tokens + n.num_scheduled_tokens == n.token_ids.shape[0] for n in step.new_reqs]
+        for rid, d, t in zip(ids, due, tok.tolist()):
+            if d is not None and d != (t >= 0):
+                return (f"has {'no sample' if d else f'a sample ({t})'} for request {rid!r}, which "
+                        f"{'was due one' if d else 'was not due one'}")
+        return None
 
     def gone(self, g: Group, reason: str, ob: Outbox) -> list[Request]:
         """A group died or left; returns its unfinished requests, which keep their tokens."""
@@ -262,6 +331,9 @@ class Groups:
         g.state = GroupState.GONE
         reqs = g.policy.drain_all() if g.policy is not None else []
         g.in_flight = None
+        if reason != "drained":  # a failure: count it against each request it hit
+            for key in {r.client_id for r in reqs}:
+                self.failovers[key] = self.failovers.get(key, 0) + 1
         if prev != GroupState.JOINING:
             ob.publish(g.name, P.Shutdown(reason=reason))
         for s in g.shards.values():
@@ -316,6 +388,9 @@ class Groups:
                         ob.to_backend(s.identity, P.Welcome(status="drained", group=g.name,
                                                             scheduler_id=self.scheduler_id))
                     orphans += self.gone(g, "drained", ob)
+        gone = [n for n, g in self.groups.items() if g.state == GroupState.GONE]
+        for name in gone[:max(0, len(gone) - MAX_GONE_GROUPS)]:  # the oldest: the registry stays bounded
+            del self.groups[name]
         return orphans
 
     def close(self, ob: Outbox) -> None:

@@ -33,17 +33,21 @@ from services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
 
 log = get_logger("scheduler")
 
+BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3 of these
+
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
 
 
 def load_models(dirs: list[str]) -> dict[str, ModelInfo]:
+    """The served models' configs (cheap; a directory we cannot serve fails here, at start). Their
+    tokenizers load in the background (`SchedulerService`): transformers takes seconds to import,
+    and a restarted scheduler must answer pings and HELLOs at once."""
     from common.model_config import ModelConfig
-    from common.tokenizer import load_tokenizer
 
     models = {}
     for d in dirs:
         mc = ModelConfig.from_dir(d)
-        models[mc.name] = ModelInfo(mc.name, mc, load_tokenizer(d))
+        models[mc.name] = ModelInfo(mc.name, mc, None)
     return models
 
 
@@ -63,7 +67,12 @@ class SchedulerService:
         try:
             for sock_type, name in ((zmq.ROUTER, "client"), (zmq.ROUTER, "backend"), (zmq.PUB, "steps"),
                                     (zmq.PUB, "events")):
-                socks.append(make_socket(self.ctx, sock_type, bind=addrs[name], **kw))
+                # backend: one live connection per identity (no handover: a second DEALER with a
+                # worker's or the detokenizer's identity is never read); ZMTP heartbeats free the
+                # identity of a peer that vanished without closing its connection
+                extra = ({"router_handover": False, "heartbeat_ivl_ms": BACKEND_ZMTP_HEARTBEAT_MS}
+                         if name == "backend" else {})
+                socks.append(make_socket(self.ctx, sock_type, bind=addrs[name], **kw, **extra))
         except BaseException:
             for s in socks:
                 s.close(linger=0)
@@ -86,6 +95,9 @@ class SchedulerService:
         self.cluster = Cluster(cfg, models, self.id, step_addr, addrs, now=time.monotonic())
         # tokenization off the loop: results come back through a queue, a PAIR socket wakes us
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        # tokenizers load first in the pool (FIFO): a prompt's job waits for its model's
+        self.tokenizers = {name: self.pool.submit(self._load_tokenizer, name, info.cfg.model_dir)
+                           for name, info in models.items()}
         self.tok_results: queue.SimpleQueue = queue.SimpleQueue()
         wake_addr = f"inproc://sched-wake-{self.id}"
         self.wake_rx = self.ctx.socket(zmq.PAIR)
@@ -99,6 +111,16 @@ class SchedulerService:
         self.client_table = self._table(self.cluster.client_handlers(), "client")
         self.backend_table = self._table(self.cluster.backend_handlers(), "worker")
         self._stop = False
+        self.metrics_server = None
+        if cfg.metrics_port:  # Prometheus over HTTP, in a thread of its own (services/scheduler/metrics.py)
+            from services.scheduler.metrics import serve_http
+
+            try:
+                self.metrics_server, _ = serve_http(self.cluster.metrics, cfg.host, cfg.metrics_port)
+            except OSError as e:
+                self.close()
+                raise InvalidRequest(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from None
+            log.info("metrics served", url=f"http://{cfg.host}:{cfg.metrics_port}/metrics")
 
     # ================================================================ loop
     def run(self) -> None:
@@ -132,6 +154,10 @@ class SchedulerService:
         if self.auth is not None:
             self.auth.stop()
             self.auth = None
+        if getattr(self, "metrics_server", None) is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
 
     def stats(self) -> dict:
         return self.cluster.stats(time.monotonic())
@@ -179,12 +205,25 @@ class SchedulerService:
                 return
             self._send(self.cluster.on_tokenized(key, ids, err, time.monotonic()))
 
+    @staticmethod
+    def _load_tokenizer(name: str, model_dir: str):
+        from common.tokenizer import load_tokenizer
+
+        try:
+            tok = load_tokenizer(model_dir)
+        except Exception as e:
+            log.error("cannot load the tokenizer; text and chat requests for this model fail", model=name,
+                      reason=str(e))
+            raise
+        log.info("tokenizer loaded", model=name)
+        return tok
+
     def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None) -> None:
-        tok = self.cluster.models[model].tokenizer
+        loading = self.tokenizers[model]
         if messages is not None:  # the chat template, here for every client alike
-            fut = self.pool.submit(lambda: chat_prompt(tok, messages, self.chat_template)[1])
+            fut = self.pool.submit(lambda: chat_prompt(loading.result(), messages, self.chat_template)[1])
         else:
-            fut = self.pool.submit(tok.encode, text)
+            fut = self.pool.submit(lambda: loading.result().encode(text))
         fut.add_done_callback(lambda f: self._tokenized(key, f))
 
     def _tokenized(self, key: str, fut) -> None:  # runs in a pool thread

@@ -60,6 +60,7 @@ class ModelRunner:
         ]
         self.reqs: dict[str, _ReqState] = {}
         self.eos_token_ids = list(model_cfg.eos_token_ids)
+        self.vocab_size = model_cfg.vocab_size
         self.num_steps = 0
 
     # ---- capacity ---------------------------------------------------------------------------
@@ -88,6 +89,28 @@ class ModelRunner:
         return int(blocks)
 
     # ---- one step ---------------------------------------------------------------------------
+    def check_step(self, step: Step) -> str | None:
+        """Why this step cannot run here (None: it can), checked before any state changes: token
+        ids outside the vocabulary (the embedding would index out of range), block ids outside
+        the KV cache, cached requests this worker does not hold."""
+        v, nb = self.vocab_size, self.num_blocks
+        for n in step.new_reqs:
+            t = n.token_ids
+            if t.size and (int(t.min()) < 0 or int(t.max()) >= v):
+                return f"request {n.req_id!r} has token ids outside the vocabulary [0, {v})"
+            b = n.block_ids
+            if b.size and (int(b.min()) < 0 or int(b.max()) >= nb):
+                return f"request {n.req_id!r} has block ids outside the KV cache [0, {nb})"
+        c = step.cached
+        b = c.new_block_ids
+        if b.size and (int(b.min()) < 0 or int(b.max()) >= nb):
+            return f"cached requests have block ids outside the KV cache [0, {nb})"
+        dropped = set(step.finished_req_ids)
+        for rid in c.req_ids:
+            if rid not in self.reqs or rid in dropped:
+                return f"step names request {rid!r}, which this worker does not hold"
+        return None
+
     def apply_state(self, step: Step) -> None:
         for rid in step.finished_req_ids:
             self.reqs.pop(rid, None)

@@ -239,6 +239,11 @@ class WorkerService:
             return None
 
     def _step(self, msg: P.Step) -> None:
+        bad = self.runner.check_step(msg)
+        if bad is not None:  # refuse it before touching any state: the scheduler ends the group
+            log.error("step refused", seq=msg.seq, reason=bad)
+            self.dealer_ch.send(P.WorkerError(worker_id=self.worker_id, seq=msg.seq, message=f"step refused: {bad}"))
+            return
         try:
             out = self.runner.execute(msg)
         except Exception as e:  # report, then leave: our state may no longer match the scheduler's

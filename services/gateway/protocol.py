@@ -1,0 +1,159 @@
+"""Request bodies of the OpenAI-compatible API (OpenAI's and vLLM's field names), as pydantic
+models, and their translation into `SamplingParams`. FastAPI validates bodies with them; a
+wrong field becomes a 400 whose message names it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields completions and chat share. Unknown fields are ignored (as vLLM does), so SDKs
+    that send newer fields still work."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM)
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of is not supported (it must equal n)")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream: true")
+        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
+                              "ignore_eos": self.ignore_eos, "seed": self.seed, "logprobs": logprobs,
+                              "include_stop_str_in_output": self.include_stop_str_in_output,
+                              "skip_special_tokens": self.skip_special_tokens, "model": self.model or None}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if v is not None:
+                kw[name] = v
+        if self.stop:
+            kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.stop_token_ids:
+            kw["stop_token_ids"] = list(self.stop_token_ids)
+        try:
+            return SamplingParams(**kw)
+        except InvalidRequest as e:  # "SamplingParams: top_p must be ..." -> the field's own name
+            raise InvalidRequest(str(e).removeprefix("SamplingParams: ")) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequest("prompt is empty; send some text or token ids")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo together with logprobs is not supported (no prompt logprobs)")
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Annotated[str, Field(min_length=1, max_length=64)]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def plain(self) -> dict[str, str]:
+        c = self.content
+        text = "" if c is None else c if isinstance(c, str) else "".join(part.text for part in c)
+        d = {"role": self.role, "content": text}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: NonNegInt | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[NonNegInt]

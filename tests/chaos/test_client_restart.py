@@ -1,0 +1,128 @@
+"""The client follows the scheduler's identity (no cluster: a raw ROUTER plays the scheduler).
+
+Every Pong names the scheduler. A request belongs to the one that answers the first Ping sent
+after its Submit; when a Pong names another one (the scheduler restarted), requests the old
+one held fail at once with ClusterUnavailable, or, with ``retries``, are submitted again under
+a new wire id when none of their output had arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from common import codec
+from common import messages as P
+from common.errors import ClusterUnavailable
+from common.transport import bind_free_port
+from zeroserve import AsyncClient
+
+
+class FakeScheduler:
+    """Answers Pings with `self.sid`; records Submits and Aborts."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_free_port(self.sock)
+        self.sid = "sched-A"
+        self.submits: list[tuple[bytes, P.Submit]] = []
+        self.aborts: list[str] = []
+
+    def pump(self) -> None:
+        while self.sock.poll(0):
+            ident, *frames = self.sock.recv_multipart()
+            m = codec.decode(frames)
+            if isinstance(m, P.Ping):
+                self.sock.send_multipart([ident, *codec.encode(P.Pong(nonce=m.nonce, scheduler_id=self.sid))])
+            elif isinstance(m, P.Submit):
+                self.submits.append((ident, m))
+            elif isinstance(m, P.Abort):
+                self.aborts.append(m.request_id)
+
+    def output(self, ident: bytes, rid: str, token: int, finish: str | None = None) -> None:
+        self.sock.send_multipart([ident, *codec.encode(P.Outputs(items=[
+            P.Output(request_id=rid, token_ids=[token], text="x", finish_reason=finish)]))])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+async def _until(cond, fake: FakeScheduler, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        fake.pump()
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.timeout(30)
+def test_a_restarted_scheduler_fails_live_requests_at_once_and_retries_unstarted_ones():
+    fake = FakeScheduler()
+
+    async def main():
+        async with AsyncClient(fake.address, timeout_s=30.0, retries=1) as c:
+            started = c.stream([1, 2, 3], {"max_tokens": 8})  # gets output: cannot be retried
+            it = started.__aiter__()
+            first = asyncio.ensure_future(it.__anext__())
+            await _until(lambda: len(fake.submits) == 1, fake)
+            ident, sub = fake.submits[0]
+            fake.output(ident, sub.request_id, 7)
+            assert (await first).token_ids == [7]
+            waiting = asyncio.ensure_future(c.generate([4, 5], {"max_tokens": 4}, request_id="w"))
+            await _until(lambda: len(fake.submits) == 2, fake)
+            # both are known to sched-A once a Ping sent after their Submit is answered
+            await _until(lambda: all(r.sid == "sched-A" for r in c._reqs.values()), fake)
+            fake.sid = "sched-B"  # "restart": the next Pong names another scheduler
+            t0 = time.monotonic()
+            nxt = asyncio.ensure_future(it.__anext__())
+            await _until(lambda: nxt.done(), fake, timeout=3.0)
+            with pytest.raises(ClusterUnavailable, match="scheduler restarted"):
+                nxt.result()
+            assert time.monotonic() - t0 < 2.5, "not detected by the next pong"
+            # the request without output went again, under a new wire id (the old one aborted)
+            await _until(lambda: len(fake.submits) == 3, fake)
+            ident, again = fake.submits[2]
+            assert again.request_id == "w~1" and again.prompt_token_ids.tolist() == [4, 5]
+            assert "w" in fake.aborts and sub.request_id in fake.aborts
+            fake.output(ident, "w~1", 9, finish="length")
+            out = await asyncio.wait_for(waiting, 5)
+            assert out.request_id == "w" and out.outputs[0].token_ids == [9]
+
+    try:
+        asyncio.run(main())
+    finally:
+        fake.close()
+
+
+@pytest.mark.timeout(30)
+def test_without_retries_an_unstarted_request_fails_too_and_new_ones_go_to_the_new_scheduler():
+    fake = FakeScheduler()
+
+    async def main():
+        async with AsyncClient(fake.address, timeout_s=30.0) as c:
+            fut = asyncio.ensure_future(c.generate(np.array([1, 2]), {"max_tokens": 2}, request_id="a"))
+            await _until(lambda: fake.submits and all(r.sid for r in c._reqs.values()), fake)
+            fake.sid = "sched-B"
+            await _until(fut.done, fake, timeout=3.0)
+            with pytest.raises(ClusterUnavailable, match="scheduler restarted"):
+                fut.result()
+            fut = asyncio.ensure_future(c.generate([3], {"max_tokens": 1}, request_id="b"))
+            await _until(lambda: len(fake.submits) == 2, fake)
+            ident, sub = fake.submits[1]
+            fake.output(ident, sub.request_id, 5, finish="length")
+            await _until(fut.done, fake)
+            assert fut.result().outputs[0].token_ids == [5]
+            await asyncio.sleep(1.2)  # pongs from B now: b stays B's, nothing more fails
+            fake.pump()
+
+    try:
+        asyncio.run(main())
+    finally:
+        fake.close()

@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP gateway against a real local cluster, driven by the `openai` SDK.
+
+One cluster for the module (scheduler with a chat template and a small queue, detokenizer, one
+worker) and three gateway processes: the main one (with the model's tokenizer), one with an API
+key, a small body limit and a short request timeout, and one pointed at a port where no
+scheduler listens. Greedy completions are checked against HF transformers; every error class
+must arrive as the SDK's typed exception; an abandoned stream must free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from common.transport import free_port_block
+from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
+from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes", "torch_single_thread")
+
+ARCH = "llama"
+KV_BLOCKS = 256
+MAX_QUEUE = 12
+API_KEY = "sk-test-secret"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def start_gateway(cluster: LocalCluster, name: str, *args: str, scheduler: str | None = None) -> str:
+    """Start a gateway process as one of the cluster's children (stopped with it) -> base URL."""
+    port = free_port_block(1)
+    cluster._start(name, cluster._cmd("gateway", "--scheduler", scheduler or cluster.address, "--port", str(port),
+                                      *args), role="gateway")
+    return f"http://127.0.0.1:{port}"
+
+
+def wait_http(url: str, cluster: LocalCluster, name: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert cluster.children[name].proc.poll() is None, f"{name} exited\n{cluster.logs()}"
+        try:
+            httpx.get(url + "/metrics", timeout=2.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{name} not listening in {timeout}s\n{cluster.logs()}")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    model = cached_model_dir(ARCH)
+    tmpl = tmp_path_factory.mktemp("gw") / "chat.jinja"
+    tmpl.write_text(CHAT_TEMPLATE)
+    c = LocalCluster(model, workers=1, num_kv_blocks=KV_BLOCKS,
+                     scheduler_args=["--chat-template", str(tmpl), "--max-queue-len", str(MAX_QUEUE)])
+    try:
+        c.start()
+        urls = {"main": start_gateway(c, "gateway", "--model", str(model)),
+                "strict": start_gateway(c, "gateway-strict", "--api-key", API_KEY, "--max-body-bytes", "4000",
+                                        "--request-timeout", "0.5"),
+                "dead": start_gateway(c, "gateway-dead", "--timeout", "1",
+                                      scheduler=f"tcp://127.0.0.1:{free_port_block(1)}")}
+        c.wait_ready(timeout=180)
+        for name, key in (("gateway", "main"), ("gateway-strict", "strict"), ("gateway-dead", "dead")):
+            wait_http(urls[key], c, name)
+        yield c, urls, model
+    finally:
+        c.stop()
+
+
+def sdk(url: str, **kw) -> openai.OpenAI:
+    kw.setdefault("api_key", "unused")
+    return openai.OpenAI(base_url=url + "/v1", max_retries=0, timeout=60.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def oai(env):
+    return sdk(env[1]["main"])
+
+
+@pytest.fixture(scope="module")
+def model_id(oai):
+    models = oai.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+def wait_idle(cluster: LocalCluster, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = cluster.stats()
+        g = s["groups"][0]
+        if s["requests"] == 0 and g.get("kv_blocks_used", 0) == 0:
+            return s
+        assert time.monotonic() < deadline, f"not idle: requests {s['requests']}, kv {g.get('kv_blocks_used')}"
+        time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------ basics
+
+
+def test_health_models_and_tokenize(env, oai, model_id):
+    c, urls, model = env
+    r = httpx.get(urls["main"] + "/health")
+    assert r.status_code == 200 and r.json()["groups_ready"] == 1
+    assert model_id == model.name
+    m = oai.models.retrieve(model_id)
+    assert m.id == model_id
+    t = httpx.post(urls["main"] + "/tokenize", json={"model": model_id, "prompt": "hello world"}, timeout=60).json()
+    assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] > 0
+    d = httpx.post(urls["main"] + "/detokenize", json={"model": model_id, "tokens": t["tokens"]}).json()
+    assert "hello world" in d["prompt"]
+
+
+def test_greedy_completions_equal_hf_transformers(oai, model_id):
+    from tests.hf_reference import hf_greedy
+
+    prompts = [[5, 17, 33, 9, 120, 44], [300, 301, 7], list(range(40, 80))]
+    r = oai.completions.create(model=model_id, prompt=prompts, max_tokens=12, temperature=0, logprobs=0,
+                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    for p, ch in zip(prompts, r.choices):
+        ids = [int(t.removeprefix("token_id:")) for t in ch.logprobs.tokens]
+        assert ids == hf_greedy(ARCH, p, 12, "ignore"), f"prompt {p}"
+        assert ch.finish_reason == "length" and len(ch.logprobs.token_logprobs) == 12
+    assert r.usage.prompt_tokens == sum(map(len, prompts))
+    assert r.usage.completion_tokens == 36 and r.usage.total_tokens == 36 + r.usage.prompt_tokens
+
+
+def test_completion_n2_logprobs_stop_echo(oai, model_id):
+    prompt = "The quick brown fox"
+    r = oai.completions.create(model=model_id, prompt=prompt, max_tokens=8, n=2, temperature=1.0, seed=3,
+                               logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in r.choices) == [0, 1]
+    for ch in r.choices:
+        lp = ch.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+        assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+        assert "".join(lp.tokens).replace("\ufffd", "") or ch.text == ""
+    assert r.usage.completion_tokens == 16
+    again = oai.completions.create(model=model_id, prompt=prompt, max_tokens=8, n=2, temperature=1.0, seed=3,
+                                   extra_body={"ignore_eos": True})
+    assert [ch.text for ch in again.choices] == [ch.text for ch in r.choices]  # seeded: repeatable
+
+    # stop strings: cut a greedy text at a substring in its middle
+    full = oai.completions.create(model=model_id, prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    stop = next((full[k:k + 2] for k in range(len(full) // 3, len(full) - 2)
+                 if full[k:k + 2].isascii() and full[k:k + 2].isprintable() and full.find(full[k:k + 2]) == k), None)
+    if stop is not None:
+        cut = oai.completions.create(model=model_id, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True}).choices[0]
+        assert cut.finish_reason == "stop" and cut.text == full[:full.find(stop)]
+    echoed = oai.completions.create(model=model_id, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert echoed.startswith(prompt) and echoed[len(prompt):] == full[:len(echoed) - len(prompt)]
+
+
+def test_streaming_completions_sync_and_async(env, oai, model_id):
+    args = dict(model=model_id, prompt="Once upon a time", max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = oai.completions.create(**args)
+    chunks = list(oai.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=env[1]["main"] + "/v1", api_key="unused", max_retries=0)
+        try:
+            outs = await asyncio.gather(*(ac.completions.create(stream=True, **args) for _ in range(4)))
+            texts = []
+            for s in outs:
+                texts.append("".join([ch.choices[0].text async for ch in s if ch.choices]))
+            plain = await ac.completions.create(**args)
+            return texts, plain.choices[0].text
+        finally:
+            await ac.close()
+
+    texts, plain = asyncio.run(run())
+    assert texts == [whole.choices[0].text] * 4 and plain == whole.choices[0].text
+
+
+def test_chat_completions(oai, model_id):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = oai.chat.completions.create(model=model_id, messages=msgs, max_completion_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and ch.finish_reason == "length"
+    assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens > 0
+    # max_tokens works too; the stream carries the same text
+    chunks = list(oai.chat.completions.create(model=model_id, messages=msgs, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == ch.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    # n=2 with logprobs and top_logprobs
+    r2 = oai.chat.completions.create(model=model_id, messages=msgs, max_tokens=5, n=2, seed=1, logprobs=True,
+                                     top_logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r2.choices) == [0, 1]
+    for c in r2.choices:
+        assert len(c.logprobs.content) == 5
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
+    assert r2.usage.completion_tokens == 10
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_errors_arrive_as_typed_sdk_exceptions(env, oai, model_id):
+    c, urls, _ = env
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        oai.completions.create(model=model_id, prompt="x", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oai.completions.create(model=model_id, prompt="x", max_tokens="many")
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):  # the cluster's InvalidRequest, passed on
+        oai.completions.create(model=model_id, prompt=[7] * 5000, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        oai.chat.completions.create(model=model_id, messages=[])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.completions.create(model="no-such-model", prompt="x")
+
+    strict = sdk(urls["strict"], api_key=API_KEY)
+    with pytest.raises(openai.AuthenticationError):
+        sdk(urls["strict"], api_key="wrong").completions.create(model=model_id, prompt="x", max_tokens=1)
+    assert httpx.post(urls["strict"] + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(urls["strict"] + "/health").status_code == 200  # health and metrics stay open
+    assert strict.completions.create(model=model_id, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    with pytest.raises(openai.APIStatusError) as big:
+        strict.completions.create(model=model_id, prompt="y" * 5000, max_tokens=1)
+    assert big.value.status_code == 413
+    with pytest.raises(openai.APIStatusError) as slow:  # --request-timeout 0.5
+        strict.completions.create(model=model_id, prompt="x", max_tokens=1500, extra_body={"ignore_eos": True})
+    assert slow.value.status_code == 504
+
+    dead = sdk(urls["dead"])
+    assert httpx.get(urls["dead"] + "/health").status_code == 503
+    with pytest.raises(openai.APIStatusError) as down:
+        dead.completions.create(model=model_id, prompt="x", max_tokens=1)
+    assert down.value.status_code == 503
+    wait_idle(c)
+
+
+def test_overload_is_a_rate_limit_error(env, model_id):
+    c, urls, _ = env
+
+    async def flood():
+        ac = openai.AsyncOpenAI(base_url=urls["main"] + "/v1", api_key="unused", max_retries=0)
+        try:
+            res = await asyncio.gather(*(ac.completions.create(model=model_id, prompt=f"p{i}", max_tokens=1000,
+                                                               stream=True, extra_body={"ignore_eos": True})
+                                         for i in range(MAX_QUEUE + 6)), return_exceptions=True)
+            for r in res:
+                if not isinstance(r, BaseException):
+                    await r.close()  # leave the stream: the request is aborted
+            return res
+        finally:
+            await ac.close()
+
+    res = asyncio.run(flood())
+    limited = [r for r in res if isinstance(r, openai.RateLimitError)]
+    assert limited, f"no 429 among {[type(r).__name__ for r in res]}"
+    assert limited[0].response.headers.get("retry-after")
+    assert not [r for r in res if isinstance(r, BaseException) and not isinstance(r, openai.RateLimitError)]
+    wait_idle(c)
+
+
+def test_abandoned_stream_frees_its_blocks(env, model_id):
+    c, urls, _ = env
+    wait_idle(c)
+    body = {"model": model_id, "prompt": list(range(3, 103)), "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", urls["main"] + "/v1/completions", json=body, timeout=30.0) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: a dropped iterator closes the connection (that would be the abort)
+        seen = 0
+        while seen < 3:
+            line = next(lines)
+            assert '"error"' not in line, line
+            seen += line.startswith("data: {")
+        busy = c.stats()
+        assert busy["requests"] == 1 and busy["groups"][0]["kv_blocks_used"] > 0, busy
+    # leaving the block closed the connection mid-stream
+    s = wait_idle(c, timeout=30)  # the gateway saw the disconnect and aborted the request
+    assert s["groups"][0]["kv_blocks_free"] == KV_BLOCKS
+    assert s["tokens_total"] - busy["tokens_total"] < 1000
