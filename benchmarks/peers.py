@@ -1,6 +1,6 @@
 """zeroserve next to its peers (llama.cpp, vLLM) on one seeded workload, one engine after another.
 
-    .venv/bin/python benchmarks/peers.py                    # every engine that is installed, ~15-25 min
+    .venv/bin/python benchmarks/peers.py                    # every engine that is installed (~45 min on 2 busy cores)
     .venv/bin/python benchmarks/peers.py --engines zeroserve-q4_1,llamacpp-q4_1 --json
     .venv/bin/python benchmarks/peers.py --list             # the engines and whether each can run
 
@@ -41,7 +41,12 @@ llamacpp-f32, vllm-fp32; q4_1: zeroserve-q4_1, llamacpp-q4_1) are compared reque
 concurrency 1 (fraction identical, and the mean share of tokens before the first difference);
 each engine's outputs at 8 and 32 are also compared with its own at 1. Q4_1 pairs are "the same
 weights" but not the same arithmetic (llama.cpp quantizes activations to Q8 for its Q4_1 dot
-products), so they drift apart sooner than the fp32 ones.
+products), so they drift apart sooner than the fp32 ones. The fp32 rows run the dequantized Q4_1
+weights, i.e. the very same weight values, so each Q4_1 engine is also compared with an fp32
+reference (vllm-fp32, else zeroserve-fp32, else llamacpp-f32): kernels that multiply the packed
+weights exactly (fp32 activations) agree with it as closely as the fp32 engines agree together.
+Level 1 dominates the run time (32 requests one after another); --engines and --concurrency
+shorten a run.
 
 The figures are wall clock on whatever machine runs this; on a shared machine they swing: the
 report gives the 1-min load average before each engine and the share of the CPUs that other
@@ -156,9 +161,8 @@ def _threaded(post, prompts, outs, cap: int) -> dict:
     """Requests from `cap` client threads (a server engine): post(prompt, n) -> (token_ids, info)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with _Clock() as c:
-        with ThreadPoolExecutor(max_workers=cap) as ex:
-            got = list(ex.map(lambda a: post(*a)[0], zip(prompts, outs)))
+    with _Clock() as c, ThreadPoolExecutor(max_workers=cap) as ex:
+        got = list(ex.map(lambda a: post(*a)[0], zip(prompts, outs)))
     return {"wall": c.wall, "cpu": c.cpu, "others": c.others, "tokens": got}
 
 
@@ -196,7 +200,7 @@ class _ZeroserveStepper(_Stepper):
         except Exception:  # noqa: BLE001
             v = "?"
         rev = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()
+                             text=True, check=False).stdout.strip()
         return f"zeroserve {v} (git {rev or '?'}), torch {torch.__version__}"
 
 
@@ -406,7 +410,7 @@ def driver_main(spec_path: str, out_path: str) -> int:
         if closer is not None:
             try:
                 closer()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - the result is saved already
                 pass
     sys.stdout.flush()
     sys.stderr.flush()
@@ -417,7 +421,7 @@ def driver_main(spec_path: str, out_path: str) -> int:
 
 def lscpu_model() -> str:
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
         for line in out.splitlines():
             if line.startswith("Model name:"):
                 return line.split(":", 1)[1].strip()
@@ -655,7 +659,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _BENCH)]
-    from benchmarks.common import apply_omp_wait_policy, fmt, json_line, loadavg, log, print_table
+    from benchmarks.common import (
+        apply_omp_wait_policy,
+        fmt,
+        json_line,
+        loadavg,
+        log,
+        print_table,
+    )
 
     args = parse_args(argv)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -690,7 +701,7 @@ def main(argv=None) -> int:
     max_len = -(-max_len // 64) * 64
     n_out = sum(outs)
     desc = (f"{len(prompts)} requests (seed {args.seed}): prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
-            f"tokens (total {sum(map(len, prompts))}) from services/tiny_corpus.txt, outputs "
+            f"tokens (total {sum(map(len, prompts))}) cut from services/tiny_corpus.txt ({corpus_tokens} tokens), outputs "
             f"{min(outs)}-{max(outs)} tokens (total {n_out}), greedy, ignore_eos")
     log(f"workload: {desc}")
 
@@ -807,6 +818,19 @@ def main(argv=None) -> int:
     if comps:
         print(f"\nsame-precision greedy outputs (token ids, per request, at concurrency {levels[0]}):")
         print_table(comps)
+    ref = next((r for r in ("vllm-fp32", "zeroserve-fp32", "llamacpp-f32") if r in by_prec.get("fp32", [])), None)
+    packed = []
+    for a in by_prec.get("q4_1", []) if ref else []:
+        c = compare(results[a]["levels"][str(levels[0])]["tokens"], results[ref]["levels"][str(levels[0])]["tokens"], outs)
+        ba, bb = results[a].get("batch1", {}).get("tokens"), results[ref].get("batch1", {}).get("tokens")
+        packed.append({"q4_1 engine": a, "reference": ref, f"identical @{levels[0]}": f"{c['identical']}/{c['total']}",
+                       "mean shared prefix": f"{100 * c['mean_prefix']:.0f}%",
+                       "batch-1 request": (f"{common_prefix(ba, bb)}/{args.batch1_tokens} tokens shared"
+                                           if ba and bb else "-")})
+    if packed:
+        print("\npacked Q4_1 weights vs the same weights dequantized to fp32 (how exactly each engine multiplies "
+              "them):")
+        print_table(packed)
     print("\nengines:")
     for name in names:
         r = results[name]
@@ -839,9 +863,13 @@ def main(argv=None) -> int:
                                "batch1_ms_per_token": (results[n].get("batch1") or {}).get("ms_per_token"),
                                "batch1_decode_ms": (results[n].get("batch1") or {}).get("decode_ms"),
                                "tok_s": {k: round(n_out / v["wall"], 2) for k, v in results[n].get("levels", {}).items()},
+                               "wall_s": {k: round(v["wall"], 2) for k, v in results[n].get("levels", {}).items()},
+                               "cpu_s": {k: round(v["cpu"], 2) for k, v in results[n].get("levels", {}).items()},
+                               "batch1_prefill_ms": (results[n].get("batch1") or {}).get("prefill_ms"),
+                               "elapsed_s": results[n].get("elapsed_s"),
                                "others_share": {k: v.get("others") for k, v in results[n].get("levels", {}).items()}}
                            for n in names},
-               "comparisons": comps, "runtime_s": round(time.perf_counter() - t_total, 1)}
+               "comparisons": comps, "packed_vs_fp32": packed, "runtime_s": round(time.perf_counter() - t_total, 1)}
         json_line(rec)
     if args.keep_logs:
         print(f"logs: {workdir}")
