@@ -36,7 +36,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
 
 from benchmarks.common import (  # noqa: E402
-    apply_omp_wait_policy, contention_warning, environment, json_line, loadavg, log, print_table, set_threads,
+    apply_omp_wait_policy, contention_warning, environment, json_line, loadavg, log, memory_bandwidth, print_table,
+    set_threads,
 )
 
 FORMATS = {"fp32": "none", "q4_1": None, "int8": "int8"}  # label -> load_model(quantization=...)
@@ -55,23 +56,6 @@ def make_llm(model: Path, quantization, **kw):
     from zeroserve import LLM
 
     return LLM(str(model), quantization=quantization or "auto", **kw)
-
-
-def memory_bandwidth(mb: int = 512) -> tuple[float, float]:
-    """(read GB/s from a sum, copy GB/s counting read + write bytes), best of 5."""
-    import torch
-
-    a = torch.ones(mb * 2**20 // 4)
-    b = torch.empty_like(a)
-    best_sum = best_copy = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a.sum()
-        best_sum = min(best_sum, time.perf_counter() - t)
-        t = time.perf_counter()
-        b.copy_(a)
-        best_copy = min(best_copy, time.perf_counter() - t)
-    return a.numel() * 4 / best_sum / 1e9, 2 * a.numel() * 4 / best_copy / 1e9
 
 
 def batch1(llm, prompt_ids: list[int], n: int) -> dict:

@@ -376,3 +376,21 @@ def json_line(record: dict[str, Any], file=None) -> None:
 def log(msg: str) -> None:
     """Progress lines go to stderr so stdout stays the report."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def memory_bandwidth(mb: int = 512) -> tuple[float, float]:
+    """(read GB/s from a sum, copy GB/s counting read + write bytes), best of 5: the roofline
+    the decode benchmarks print their figures beside."""
+    import torch
+
+    a = torch.ones(mb * 2**20 // 4)
+    b = torch.empty_like(a)
+    best_sum = best_copy = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best_sum = min(best_sum, time.perf_counter() - t)
+        t = time.perf_counter()
+        b.copy_(a)
+        best_copy = min(best_copy, time.perf_counter() - t)
+    return a.numel() * 4 / best_sum / 1e9, 2 * a.numel() * 4 / best_copy / 1e9

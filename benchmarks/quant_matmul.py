@@ -23,7 +23,8 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
 
-from benchmarks.common import apply_omp_wait_policy, json_line, print_table, set_threads  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    apply_omp_wait_policy, json_line, memory_bandwidth, print_table, set_threads)
 
 SHAPES = {  # name -> (N_out, K_in, uses per decode step of SmolLM2-135M: 30 layers)
     "q/o 576x576": (576, 576, 60),
@@ -33,21 +34,6 @@ SHAPES = {  # name -> (N_out, K_in, uses per decode step of SmolLM2-135M: 30 lay
     "lm_head 49152x576": (49152, 576, 1),
 }
 FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "int8", "int4")
-
-
-def memory_bandwidth(torch, mb: int = 512) -> tuple[float, float]:
-    """(read GB/s from a big sum, copy GB/s counting read + write), best of 5."""
-    a = torch.ones(mb * 2**20 // 4)
-    b = torch.empty_like(a)
-    best_sum = best_copy = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a.sum()
-        best_sum = min(best_sum, time.perf_counter() - t)
-        t = time.perf_counter()
-        b.copy_(a)
-        best_copy = min(best_copy, time.perf_counter() - t)
-    return a.numel() * 4 / best_sum / 1e9, 2 * a.numel() * 4 / best_copy / 1e9
 
 
 def make_weights(torch, quant, fmt: str, n: int, k: int, copies: int, seed: int):
@@ -92,7 +78,7 @@ def main(argv=None) -> int:
         print(f"compiled qmatmul unavailable: {cpu_native.quant_unavailable_reason()}")
         return 1
     formats = [f for f in args.formats.split(",") if f]
-    rd, cp = memory_bandwidth(torch)
+    rd, cp = memory_bandwidth()
     print(f"quantized matmul, SmolLM2-135M shapes; kernel ISA {lib.isa}, torch threads {threads}, "
           f"OMP_WAIT_POLICY {wait}, working set {args.working_set_mb} MB")
     print(f"memory bandwidth: read (sum of 512 MB) {rd:.1f} GB/s, copy (read + write) {cp:.1f} GB/s")

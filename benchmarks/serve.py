@@ -45,6 +45,16 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    _last: float | None = field(default=None, repr=False)
+
+    def chunk(self, t0: float) -> None:
+        """A streamed chunk arrived now: the first sets TTFT, the rest add an inter-token gap."""
+        now = time.perf_counter()
+        if self._last is None:
+            self.ttft = now - t0
+        else:
+            self.itl.append(now - self._last)
+        self._last = now
 
 
 def make_workload(n: int, input_len: int, output_len: int, range_ratio: float, seed: int, vocab: int) -> list[Req]:
@@ -64,7 +74,6 @@ async def http_one(client, url: str, model: str, r: Req, api_key: str | None) ->
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     res = Result(prompt_len=len(r.prompt))
     t0 = time.perf_counter()
-    last = None
     chunks = 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
@@ -82,12 +91,7 @@ async def http_one(client, url: str, model: str, r: Req, api_key: str | None) ->
                     res.output_tokens = obj["usage"]["completion_tokens"]
                 if not obj.get("choices"):
                     continue
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft = now - t0
-                else:
-                    res.itl.append(now - last)
-                last = now
+                res.chunk(t0)
                 chunks += 1
         res.e2e = time.perf_counter() - t0
         res.output_tokens = res.output_tokens or chunks
@@ -103,17 +107,11 @@ async def direct_one(client, r: Req) -> Result:
     sp = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
     res = Result(prompt_len=len(r.prompt))
     t0 = time.perf_counter()
-    last = None
     try:
         async for d in client.stream(r.prompt, sp):
             if not d.token_ids:
                 continue
-            now = time.perf_counter()
-            if last is None:
-                res.ttft = now - t0
-            else:
-                res.itl.append(now - last)
-            last = now
+            res.chunk(t0)
             res.output_tokens += len(d.token_ids)
         res.e2e = time.perf_counter() - t0
         res.ok = True

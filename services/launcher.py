@@ -94,8 +94,10 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
     return children
 
 
-def _wait_port(host: str, port: int, child: Child, timeout_s: float = 60.0) -> None:
-    """Until something accepts connections at host:port (the gateway is up), or its child exits."""
+def _wait_port(host: str, port: int, child: Child, timeout_s: float = 60.0, tick=lambda: None) -> None:
+    """Until something accepts connections at host:port (the gateway is up), or its child exits.
+    ``tick`` runs between tries (the launcher keeps restarting the other children meanwhile); a
+    true result ends the wait."""
     import socket
 
     deadline = time.monotonic() + timeout_s
@@ -107,8 +109,30 @@ def _wait_port(host: str, port: int, child: Child, timeout_s: float = 60.0) -> N
             with socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=1.0):
                 return
         except OSError:
+            if tick():  # told to stop
+                return
             time.sleep(0.2)
     raise TimeoutError(f"the {child.name} did not listen on {host}:{port} within {timeout_s:.0f}s")
+
+
+def supervise(children: list[Child], now: float) -> None:
+    """Restart each child that exited, after a backoff that doubles up to 10 s (0.5 s again once
+    it had run a minute)."""
+    for c in children:
+        if c.proc is None or c.proc.poll() is None:
+            continue
+        if c.next_start == 0.0:
+            backoff = min(10.0, 0.5 * 2 ** min(c.restarts, 5))
+            if now - c.started > 60:
+                c.restarts = 0
+                backoff = 0.5
+            log.warning("child exited; restarting", child=c.name, code=c.proc.returncode, in_s=backoff)
+            c.next_start = now + backoff
+        elif now >= c.next_start:
+            c.restarts += 1
+            c.next_start = 0.0
+            c.start()
+            print(f"{c.name:<12} restarted, pid {c.proc.pid}", flush=True)
 
 
 def stop_children(children: list[Child]) -> None:
@@ -244,7 +268,12 @@ def main(args) -> int:
                           curve_keys=curve_keys) is None:
                 return 0
             if gateway is not None:
-                _wait_port(args.host, args.gateway_port, gateway)
+                # the cluster is up: a child that dies while the gateway starts is restarted
+                others = [c for c in children if c is not gateway]
+                _wait_port(args.host, args.gateway_port, gateway,
+                           tick=lambda: stopping or supervise(others, time.monotonic()))
+                if stopping:
+                    return 0
         except (TimeoutError, RuntimeError) as e:
             print(f"zeroserve up: {e}", file=sys.stderr, flush=True)
             return 1
@@ -255,21 +284,7 @@ def main(args) -> int:
             return 0
         while not stopping:
             time.sleep(0.2)
-            now = time.monotonic()
-            for c in children:
-                if c.proc is not None and c.proc.poll() is not None and not stopping:
-                    if c.next_start == 0.0:
-                        backoff = min(10.0, 0.5 * 2 ** min(c.restarts, 5))
-                        if now - c.started > 60:
-                            c.restarts = 0
-                            backoff = 0.5
-                        log.warning("child exited; restarting", child=c.name, code=c.proc.returncode, in_s=backoff)
-                        c.next_start = now + backoff
-                    elif now >= c.next_start:
-                        c.restarts += 1
-                        c.next_start = 0.0
-                        c.start()
-                        print(f"{c.name:<12} restarted, pid {c.proc.pid}", flush=True)
+            supervise(children, time.monotonic())
         return 0
     finally:
         print("stopping the cluster...", flush=True)

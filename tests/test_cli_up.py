@@ -344,3 +344,31 @@ def test_up_with_a_model_it_cannot_serve_prints_one_line(tmp_path):
     assert r.returncode == 2, r
     assert "Traceback" not in r.stderr + r.stdout
     assert r.stderr.strip() == "zeroserve up: bad.gguf is not a GGUF file (bad magic b'junk')", r.stderr
+
+
+def test_a_child_that_dies_while_the_gateway_starts_is_restarted():
+    """`up` supervises from the moment the cluster is ready, not from the gateway's ready line:
+    a scheduler killed while the gateway still starts comes back (once CI's slow gateway start
+    left it dead, and every client waited out its timeout)."""
+    from services.launcher import Child, _wait_port, supervise
+
+    dies = Child("scheduler", [sys.executable, "-c", "pass"], role="scheduler")
+    gateway = Child("gateway", [sys.executable, "-c", "import time; time.sleep(30)"], role="gateway")
+    dies.start()
+    gateway.start()
+    try:
+        first = dies.proc.pid
+        dies.proc.wait(timeout=30)
+        with pytest.raises(TimeoutError):
+            _wait_port("127.0.0.1", free_port_block(1), gateway, timeout_s=3.0,
+                       tick=lambda: supervise([dies], time.monotonic()))
+        assert dies.proc.pid != first and dies.restarts >= 1
+        stop = iter([False, True])
+        t0 = time.monotonic()
+        _wait_port("127.0.0.1", free_port_block(1), gateway, timeout_s=30.0, tick=lambda: next(stop))
+        assert time.monotonic() - t0 < 5.0  # a true tick (told to stop) ends the wait
+    finally:
+        for c in (dies, gateway):
+            if c.alive():
+                c.proc.kill()
+            c.proc.wait(timeout=10)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.transport import free_port_block
+from common.transport import free_port, free_port_block
 from tests.cluster import SESSION_ENV, SESSION_TAG, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir
 
@@ -42,10 +42,16 @@ def _scheduler_child(up: subprocess.Popen) -> psutil.Process | None:
     return None
 
 
-def _wait_ready(address: str, up: subprocess.Popen, timeout: float) -> None:
+def _wait_ready(address: str, up: subprocess.Popen, timeout: float, log_path: Path | None = None) -> None:
+    """Until the cluster serves and (with ``log_path``) `up` printed its ready line: before it,
+    `up` is still checking the start-up and treats a child that exits as a failed start."""
     from zeroserve import Client
 
     deadline = time.monotonic() + timeout
+    while log_path is not None and b"\nready: " not in log_path.read_bytes():
+        assert up.poll() is None, f"zeroserve up exited with {up.returncode}"
+        assert time.monotonic() < deadline, "zeroserve up printed no ready line"
+        time.sleep(0.2)
     with Client(address, timeout_s=2.0) as c:
         while time.monotonic() < deadline:
             assert up.poll() is None, f"zeroserve up exited with {up.returncode}"
@@ -68,10 +74,11 @@ def test_scheduler_sigkill_under_up_fails_streams_fast_and_serves_after(tmp_path
     log = open(tmp_path / "up.log", "wb")
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **{SESSION_ENV: SESSION_TAG})
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", str(cached_model_dir("llama")),
-                           "--port", str(port), "--workers", "1", "--threads", "1", "--num-kv-blocks", "256"],
+                           "--port", str(port), "--gateway-port", str(free_port()), "--workers", "1", "--threads", "1",
+                           "--num-kv-blocks", "256"],
                           env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_ready(address, up, 180)
+        _wait_ready(address, up, 180, tmp_path / "up.log")
         old = _scheduler_child(up)
         assert old is not None
         result: dict = {}
