@@ -211,7 +211,26 @@ def launch(model: str, args):
     return children, address, f"http://127.0.0.1:{http}", model
 
 
-async def main_async(args, base_url: str | None, direct: str | None) -> list[dict]:
+def cpu_seconds(children) -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and of each launched child."""
+    import psutil
+
+    out = {"bench": sum(psutil.Process().cpu_times()[:2])}
+    for c in children or []:
+        try:
+            out[c.name] = sum(psutil.Process(c.proc.pid).cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_per_token(before: dict, after: dict, tokens: int) -> str:
+    """'name N us' per output token for each process, biggest first."""
+    used = {k: after[k] - before.get(k, 0.0) for k in after}
+    return ", ".join(f"{k} {1e6 * v / max(tokens, 1):.0f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1]))
+
+
+async def main_async(args, base_url: str | None, direct: str | None, children=None) -> list[dict]:
     import httpx
 
     work = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed, args.vocab)
@@ -224,17 +243,23 @@ async def main_async(args, base_url: str | None, direct: str | None) -> list[dic
             if not model:
                 model = (await client.get(base_url + "/v1/models")).json()["data"][0]["id"]
             await http_one(client, base_url, model, Req([11, 12, 13], 2), args.api_key)  # warm-up
+            cpu0 = cpu_seconds(children)
             res, dur = await run_load(work, lambda r: http_one(client, base_url, model, r, args.api_key),
                                       args.request_rate, args.max_concurrency, args.seed)
             out.append(summarize(res, dur, "http"))
+            if children:
+                out[-1]["cpu_us_per_token"] = cpu_per_token(cpu0, cpu_seconds(children), out[-1]["total_output_tokens"])
     if direct:
         from zeroserve import AsyncClient
 
         async with AsyncClient(direct, timeout_s=60.0) as client:
             await direct_one(client, Req([11, 12, 13], 2))
+            cpu0 = cpu_seconds(children)
             res, dur = await run_load(work, lambda r: direct_one(client, r), args.request_rate,
                                       args.max_concurrency, args.seed)
             out.append(summarize(res, dur, "direct"))
+            if children:
+                out[-1]["cpu_us_per_token"] = cpu_per_token(cpu0, cpu_seconds(children), out[-1]["total_output_tokens"])
     return out
 
 
@@ -268,7 +293,7 @@ def main(argv=None) -> int:
             print(f"launched {Path(model).name}: {base_url} (gateway), {direct} (scheduler)", flush=True)
         if not base_url and not direct:
             ap.error("give --base-url, --direct or --launch")
-        results = asyncio.run(main_async(args, base_url, direct))
+        results = asyncio.run(main_async(args, base_url, direct, children))
     finally:
         if children:
             from services.launcher import stop_children
@@ -276,6 +301,8 @@ def main(argv=None) -> int:
             stop_children(children)
     for s in results:
         print_report(s)
+        if "cpu_us_per_token" in s:
+            print(f"CPU per output token ({s['mode']}, us): {s['cpu_us_per_token']}")
     by = {s["mode"]: s for s in results}
     if "http" in by and "direct" in by:
         h, d = by["http"], by["direct"]

@@ -310,7 +310,10 @@ class CurveArgs:
 class CurveClientArgs(CurveArgs):
     """CURVE (authenticated, encrypted ZeroMQ)"""
 
-    curve_client: str = knob("client", "whose CURVE key to use: DIR/clients/NAME.key_secret", metavar="NAME")
+    curve_client: str | None = knob(None, "which key of this process's role to use: DIR/clients/NAME.key_secret "
+                                    "(clients, gateway), DIR/workers/NAME.key_secret (worker), "
+                                    "DIR/detokenizers/NAME.key_secret (detokenizer); default: the role's name",
+                                    metavar="NAME")
 
 
 @dataclass(kw_only=True)

@@ -38,3 +38,25 @@ def get_logger(name: str | None = None):
     if not _configured:
         setup_logging()
     return structlog.get_logger(name)
+
+
+class LogBudget:
+    """At most ``per_window`` lines of one kind per ``window_s``; the rest are counted and the
+    count is logged when the next window opens (a flood of bad frames must not cost a log line,
+    and its disk space, each)."""
+
+    def __init__(self, what: str, per_window: int = 20, window_s: float = 10.0) -> None:
+        self.what, self.per_window, self.window_s = what, per_window, window_s
+        self.window_start, self.used, self.dropped = float("-inf"), 0, 0
+
+    def allow(self, now: float) -> bool:
+        if now - self.window_start >= self.window_s:
+            if self.dropped:
+                get_logger().warning(f"{self.dropped} more '{self.what}' lines left out",
+                                     window_s=self.window_s)
+            self.window_start, self.used, self.dropped = now, 0, 0
+        if self.used < self.per_window:
+            self.used += 1
+            return True
+        self.dropped += 1
+        return False

@@ -58,6 +58,9 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
 
+MAX_PING_IDS = 256
+
+
 class Submit(Message):
     """A request: a text prompt or prompt token ids (the ids win when both are given), or chat
     ``messages`` (the scheduler applies the model's chat template, with the generation prompt)."""
@@ -87,12 +90,16 @@ class Abort(Message):
 
 class Ping(Message):
     nonce: int = 0
+    # the client's requests no Pong has confirmed yet: the Pong says which of them it does not
+    # hold (a scheduler that died between a Submit and its Pong, and came back, lost them)
+    request_ids: Annotated[list[Name], msgspec.Meta(max_length=MAX_PING_IDS)] = msgspec.field(default_factory=list)
 
 
 class Pong(Message):
     nonce: int
     protocol_version: int = PROTOCOL_VERSION
     scheduler_id: str = ""
+    unknown: list[Name] = msgspec.field(default_factory=list)  # of Ping.request_ids
 
 
 class StatsRequest(Message):

@@ -97,6 +97,7 @@ def make_socket(
     curve_server_secret_key: str | os.PathLike | None = None,
     curve_client_secret_key: str | os.PathLike | None = None,
     curve_server_public_key: str | os.PathLike | None = None,
+    zap_domain: str | None = None,
 ) -> zmq.Socket:
     """A socket with safe defaults, optionally bound / connected (after CURVE is set up).
 
@@ -105,6 +106,8 @@ def make_socket(
     ``immediate`` makes a DEALER queue messages only to completed connections (so a send
     with no scheduler reachable fails with NOBLOCK instead of piling up).
     ``heartbeat_*`` turn on ZMTP heartbeats (dead TCP peers detected by libzmq itself).
+    ``zap_domain`` (a bound CURVE server) names the ZAP domain the authenticator admits peers
+    by (``curve.start_authenticator``), so each socket can have its own allow-list.
     """
     sock = ctx.socket(sock_type)
     try:
@@ -143,6 +146,8 @@ def make_socket(
             if curve_client_secret_key is None or curve_server_public_key is None:
                 raise ValueError("a CURVE client needs both curve_client_secret_key and curve_server_public_key")
             curve_client(sock, curve_client_secret_key, curve_server_public_key)
+        if zap_domain is not None:  # before bind: libzmq reads it per incoming handshake
+            sock.setsockopt_string(zmq.ZAP_DOMAIN, zap_domain)
         for addr in _as_list(bind):
             sock.bind(tcp_addr(addr))
         for addr in _as_list(connect):

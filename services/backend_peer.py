@@ -157,8 +157,8 @@ class BackendPeer:
     def _hint(self) -> None:
         if self.curve:
             log.info(f"no answer from the scheduler yet; saying hello again (CURVE: is this {self.role}'s key "
-                     "allowed, and server.key the scheduler's?)", scheduler=self.scheduler_addr,
-                     curve_client=self.curve.name)
+                     f"in the scheduler's allowed/{self.role}s/, and server.key the scheduler's?)",
+                     scheduler=self.scheduler_addr, curve_client=self.curve.name)
         else:
             log.info("no answer from the scheduler yet; saying hello again (does the scheduler use CURVE? "
                      "then pass --curve-keys)", scheduler=self.scheduler_addr)

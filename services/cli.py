@@ -85,10 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=float, default=0.7)
     ch.add_argument("--seed", type=int, default=None)
 
-    ky = sub.add_parser("keys", help="create a CURVE key directory: scheduler key pair, client key pairs, allow-list")
-    ky.add_argument("dir", help="the key directory (created if missing; existing keys are kept)")
-    ky.add_argument("--client", action="append", default=None, metavar="NAME",
-                    help="a client key pair to create and allow (repeatable; default: one named 'client')")
+    ky = sub.add_parser("keys", help="create a CURVE key directory: scheduler key pair, key pairs per role "
+                                     "(client, worker, detokenizer), their allow-lists")
+    ky.add_argument("dir", help="the key directory (created if missing; existing keys are kept; an old layout is "
+                                "migrated)")
+    for role in ("client", "worker", "detokenizer"):
+        ky.add_argument(f"--{role}", action="append", default=None, metavar="NAME",
+                        help=f"a {role} key pair to create and allow (repeatable). No role flag at all: one key per "
+                             f"role, named after the role ('{role}'); only other roles' flags: '{role}' too if no "
+                             f"{role} key exists yet")
 
     bt = sub.add_parser("batch", help="offline batch generation in this process (no cluster), JSON lines out")
     bt.add_argument("input", help="a text file with one prompt per line ('-' = stdin)")
@@ -207,35 +212,49 @@ def _chat(args, inp=input, out=sys.stdout) -> int:
 
 def _keys(args) -> int:
     """`zeroserve keys DIR`: make or complete a CURVE key directory and say which file goes where."""
-    from common.curve import create_curve_keys
+    from common.curve import CURVE_ROLES, ROLE_DIRS, create_curve_keys
 
-    kd = create_curve_keys(args.dir, args.client or ["client"])
+    kd = create_curve_keys(args.dir, args.client, workers=args.worker, detokenizers=args.detokenizer)
     d = kd.directory
+    hosts = {"client": "the hosts that run it", "worker": "the worker hosts that use it",
+             "detokenizer": "the detokenizer's host"}
+    ports = {"client": "the client port", "worker": "the backend and steps ports",
+             "detokenizer": "the backend and steps ports"}
 
     def row(path, created: bool | None, what: str) -> None:
         state = "" if created is None else "created" if created else "kept"
-        print(f"  {str(path.relative_to(d)) + ('/' if path.is_dir() else ''):<32} {state:<8} {what}")
+        print(f"  {str(path.relative_to(d)) + ('/' if path.is_dir() else ''):<36} {state:<8} {what}")
 
     print(f"CURVE keys in {d}")
-    row(kd.server_secret, kd.server_created, "scheduler secret key     -> the scheduler host only")
-    row(kd.server_public, kd.server_created, "scheduler public key     -> every host")
-    allowed = [n for n, ok in kd.clients_allowed.items() if ok]
-    row(kd.allowed_dir, None, f"allow-list, read by the scheduler at start: {', '.join(allowed) or 'EMPTY'}")
-    for name, created in kd.clients_created.items():
-        row(kd.client_secret(name), created, f"secret key of client '{name}' -> the hosts that run it")
-        row(kd.client_public(name), created, f"public key of client '{name}', " + (
-            "allowed" if kd.clients_allowed[name] else "NOT allowed (revoked?): copy it into allowed/ to let it in"))
+    if kd.migrated:
+        print(f"  migrated from the old layout: {', '.join(kd.migrated)} moved from allowed/ to allowed/clients/ "
+              "(they were client keys; workers and detokenizers now need keys of their own, below)")
+    row(kd.server_secret, kd.server_created, "scheduler secret key -> the scheduler host only")
+    row(kd.server_public, kd.server_created, "scheduler public key -> every host")
+    for role in CURVE_ROLES:
+        allowed = [n for n, ok in kd.allowed[role].items() if ok]
+        row(kd.allowed_dir(role), None, f"{role}s allowed on {ports[role]}: {', '.join(allowed) or 'NONE'}")
+    for role in CURVE_ROLES:
+        for name, created in kd.created[role].items():
+            row(kd.secret(role, name), created, f"secret key of {role} '{name}' -> {hosts[role]}")
+            row(kd.public(role, name), created, f"public key of {role} '{name}', " + (
+                "allowed" if kd.allowed[role][name] else
+                f"NOT allowed (revoked?): copy it into allowed/{ROLE_DIRS[role]}/ to let it in"))
     print(f"""
 On the scheduler host (needs server.key_secret and allowed/):
   zeroserve scheduler --host 0.0.0.0 --curve-keys {d}
-On each worker, detokenizer and client host, copy server.key and clients/NAME.key_secret to the
-same paths under a key folder there, then:
-  zeroserve worker --scheduler tcp://SCHEDULER:7001 --curve-keys DIR --curve-client NAME
-  zeroserve generate "hi" --address tcp://SCHEDULER:7000 --curve-keys DIR --curve-client NAME
-  Client("tcp://SCHEDULER:7000", curve_keys="DIR", curve_client_name="NAME")
-(or set ZEROSERVE_CURVE_KEYS / ZEROSERVE_CURVE_CLIENT). Keep the secret files private (mode 0600).
-The scheduler reads allowed/ when it starts: restart it after adding a client; delete
-allowed/NAME.key and restart it to revoke one.""")
+Every other host needs server.key and its role's secret key, at the same paths under a key folder there:
+  worker hosts:      workers/NAME.key_secret
+    zeroserve worker --scheduler tcp://SCHEDULER:7001 --curve-keys DIR --curve-client NAME
+  detokenizer host:  detokenizers/NAME.key_secret
+    zeroserve detokenizer --scheduler tcp://SCHEDULER:7001 --curve-keys DIR --curve-client NAME
+  client hosts:      clients/NAME.key_secret (applications, the gateway, zeroserve status/generate)
+    zeroserve generate "hi" --address tcp://SCHEDULER:7000 --curve-keys DIR --curve-client NAME
+    Client("tcp://SCHEDULER:7000", curve_keys="DIR", curve_client_name="NAME")
+--curve-client NAME (or ZEROSERVE_CURVE_CLIENT) picks the key in the process's role folder; without it a
+process uses its role's name (client, worker, detokenizer). On one host: zeroserve up --curve-keys {d}.
+Keep the secret files private (mode 0600). The scheduler reads allowed/ when it starts: restart it after
+adding a key; delete allowed/{{clients,workers,detokenizers}}/NAME.key and restart it to revoke one.""")
     return 0
 
 
@@ -287,6 +306,9 @@ def _run(args) -> int:
         args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
         return sched_main(args)
     if args.cmd == "worker":
+        from services.worker.threads import configure
+
+        configure(args.threads)  # before torch loads: OpenMP reads its environment once
         from services.worker.service import main as worker_main
 
         return worker_main(args)

@@ -28,6 +28,7 @@ from common.config import (
     to_cli_args,
 )
 from common.log import get_logger, setup_logging
+from services.worker.threads import usable_cpus
 
 log = get_logger("up")
 
@@ -79,7 +80,7 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
                       role="detokenizer")]
     engine = to_cli_args(from_cli_args(EngineArgs, args, model=model, tp_size=args.tp), only=WORKER_ENGINE_KNOBS)
     n_shards = args.workers * args.tp
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n_shards)
+    threads = args.threads or max(1, usable_cpus() // n_shards)
     for g in range(args.workers):
         for r in range(args.tp):
             worker = WorkerArgs(scheduler=backend, group=f"g{g}", tp_rank=r, worker_id=f"g{g}-r{r}", threads=threads,
@@ -235,10 +236,11 @@ def main(args) -> int:
     ModelConfig.from_dir(model)  # a model we cannot serve: one message here, not a traceback per child
     curve_keys = getattr(args, "curve_keys", None)
     if curve_keys:  # check the key directory once here, not in every child's crash loop
-        from common.curve import curve_client_keys, curve_server_keys
+        from common.curve import CURVE_ROLES, curve_client_keys, curve_server_keys
 
         curve_server_keys(curve_keys)
-        curve_client_keys(curve_keys)
+        for role in CURVE_ROLES:  # each child loads its role's default key (the gateway and --demo: client)
+            curve_client_keys(curve_keys, role=role)
     # the gateway serves HTTP clients; --demo asks its one question over ZeroMQ and leaves
     children = plan_children(args, model, gateway=not args.no_gateway and args.demo is None)
     stopping = False
@@ -263,6 +265,10 @@ def main(args) -> int:
         if gateway is not None:
             print(f"gateway      pid {gateway.proc.pid}  http://{args.host}:{args.gateway_port}/v1  (OpenAI API; "
                   f"/health, /metrics)", flush=True)
+        if not curve_keys:
+            print(f"CURVE off: any process that reaches ports {args.port}-{args.port + 3} (on loopback: any local "
+                  "user) can submit requests, read prompts or join as a worker/detokenizer; to turn it on: "
+                  "zeroserve keys DIR, then zeroserve up --curve-keys DIR", flush=True)
         try:
             if wait_ready(client_addr, args.workers, children, should_stop=lambda: stopping,
                           curve_keys=curve_keys) is None:

@@ -218,3 +218,33 @@ def tie_free(model_dir, prompts: Sequence[Sequence[int]], max_tokens: Sequence[i
     good = [(i, o) for i, o in enumerate(outs) if greedy_margin(o.outputs[0]) >= TIE_MARGIN]
     assert len(good) >= keep, f"only {len(good)} of {len(prompts)} prompts are free of near-ties; draw more"
     return good[:keep]
+
+
+def greedy_jobs(model_dir, seed: int = 5, n: int = 24, vocab: int = 512,
+                num_kv_blocks: int = 256) -> list[tuple[list[int], dict]]:
+    """n greedy jobs (prompt ids, params) for a cluster under fire: runs that batch them
+    differently must agree, so none may meet a near-tie."""
+    import random
+
+    rng = random.Random(seed)
+    draw = [([rng.randrange(3, vocab) for _ in range(rng.randint(1, 120))], rng.randint(8, 24)) for _ in range(n + 8)]
+    kept = tie_free(model_dir, [p for p, _ in draw], [m for _, m in draw], n, num_kv_blocks=num_kv_blocks)
+    return [(draw[i][0], {"temperature": 0.0, "max_tokens": draw[i][1], "ignore_eos": True}) for i, _ in kept]
+
+
+async def stream_jobs(address: str, jobs, timeout_s: float = 240.0) -> list[tuple[list[int], str, str | None]]:
+    """Stream every job at once through one AsyncClient -> (token ids, text, finish reason) each."""
+    import asyncio
+
+    from zeroserve import AsyncClient
+
+    async def one(c, prompt, params):
+        toks, text, reason = [], "", None
+        async for d in c.stream(prompt, params):
+            toks += d.token_ids
+            text += d.text
+            reason = d.finish_reason or reason
+        return toks, text, reason
+
+    async with AsyncClient(address, timeout_s=30.0) as c:
+        return await asyncio.wait_for(asyncio.gather(*(one(c, p, sp) for p, sp in jobs)), timeout_s)

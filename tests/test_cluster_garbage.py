@@ -34,7 +34,7 @@ from common import codec
 from common import messages as P
 from common.sampling_params import SamplingParams
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
-from tests.helpers import cached_model_dir, tie_free, torch_single_thread  # noqa: F401 (fixture)
+from tests.helpers import cached_model_dir, greedy_jobs, stream_jobs, torch_single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes", "torch_single_thread")
 
@@ -51,34 +51,15 @@ def cluster():
         yield c
 
 
-def _workload(seed: int = 5, n: int = 24) -> list[tuple[list[int], dict]]:
-    """n greedy jobs; the runs under fire batch them differently, so none may meet a near-tie."""
-    rng = random.Random(seed)
-    draw = [([rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 120))], rng.randint(8, 24)) for _ in range(n + 8)]
-    kept = tie_free(cached_model_dir("llama"), [p for p, _ in draw], [m for _, m in draw], n, num_kv_blocks=256)
-    return [(draw[i][0], {"temperature": 0.0, "max_tokens": draw[i][1], "ignore_eos": True}) for i, _ in kept]
-
-
-async def _run_jobs(address: str, jobs) -> list[tuple[list[int], str, str | None]]:
-    from zeroserve import AsyncClient
-
-    async def one(c, prompt, params):
-        toks, text, reason = [], "", None
-        async for d in c.stream(prompt, params):
-            toks += d.token_ids
-            text += d.text
-            reason = d.finish_reason or reason
-        return toks, text, reason
-
-    async with AsyncClient(address, timeout_s=30.0) as c:
-        return await asyncio.wait_for(asyncio.gather(*(one(c, p, sp) for p, sp in jobs)), 240)
+def _workload() -> list[tuple[list[int], dict]]:
+    return greedy_jobs(cached_model_dir("llama"))
 
 
 @pytest.fixture(scope="module")
 def clean_run(cluster):
     """The workload's outputs on the untouched cluster: the reference for the runs under fire."""
     jobs = _workload()
-    outs = asyncio.run(_run_jobs(cluster.address, jobs))
+    outs = asyncio.run(stream_jobs(cluster.address, jobs))
     assert all(reason == "length" and len(t) == sp["max_tokens"] for (t, _, reason), (_, sp) in zip(outs, jobs))
     return jobs, outs
 
@@ -375,7 +356,7 @@ def test_requests_in_flight_survive_garbage_on_every_socket(cluster, clean_run):
 
     def run():
         try:
-            result["outs"] = asyncio.run(_run_jobs(cluster.address, jobs))
+            result["outs"] = asyncio.run(stream_jobs(cluster.address, jobs))
         except BaseException as e:  # noqa: BLE001
             result["error"] = e
 
@@ -452,7 +433,7 @@ def test_requests_in_flight_survive_garbage_on_every_socket(cluster, clean_run):
         ctx.term()
 
     # afterwards the cluster serves as before, with the same worker, and nothing failed inside
-    outs = asyncio.run(_run_jobs(cluster.address, jobs[:6]))
+    outs = asyncio.run(stream_jobs(cluster.address, jobs[:6]))
     assert outs == ref[:6]
     s = cluster.stats()
     g0 = next(g for g in s["groups"] if g["name"] == "g0")
@@ -485,7 +466,7 @@ def test_lifecycle_messages_naming_the_worker_from_another_peer_do_not_end_its_g
         impostor.close()
         ctx.term()
     cluster.wait_ready(timeout=60)  # with the bug, g0 re-forms once the real worker said HELLO again
-    outs = asyncio.run(_run_jobs(cluster.address, jobs[:4]))
+    outs = asyncio.run(stream_jobs(cluster.address, jobs[:4]))
     assert outs == ref[:4]
     log = log_path.read_text(errors="replace")[seen:]
     assert "group gone" not in log and "group draining" not in log, log[-3000:]

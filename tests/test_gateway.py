@@ -170,6 +170,12 @@ def test_streaming_completions_sync_and_async(env, oai, model_id):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # continuous_usage_stats (vLLM's): usage so far in every chunk, counting up to the total
+    running = list(oai.completions.create(stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True}, **args))
+    counts = [ch.usage.completion_tokens for ch in running if ch.choices]
+    assert counts == sorted(counts) and counts[-1] == 16 and all(ch.usage is not None for ch in running)
+    assert all(ch.usage.prompt_tokens == whole.usage.prompt_tokens for ch in running)
 
     async def run():
         ac = openai.AsyncOpenAI(base_url=env[1]["main"] + "/v1", api_key="unused", max_retries=0)

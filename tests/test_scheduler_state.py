@@ -26,6 +26,7 @@ from tests.scheduler_sim import (  # noqa: E402
     CLIENT_ID,
     MODEL,
     VOCAB,
+    FakeDetok,
     FakeWorker,
     Net,
     group_of,
@@ -296,6 +297,7 @@ def test_detokenizer_rejoin_replays_live_sequences():
         net.turn(detok=False)
     assert c.delivery.detok_inflight
     delivered, text, _, _ = net.got("r")
+    net.now += 0.5  # silent past the "alive" window (half the heartbeat timeout): a successor gets in
     d2 = net.join_detok("detok-b")
     net.send(c.flush())
     _welcome, replay, rest = net.backend[d2.ident]
@@ -313,6 +315,26 @@ def test_detokenizer_rejoin_replays_live_sequences():
     toks, text, reasons, _ = net.got("r")
     assert toks == reference(p, 20) and text == text_of(toks) and reasons == ["length"]
     assert c.stats(net.now)["detokenizer"] == {"connected": True, "worker_id": "detok-b"}
+
+
+def test_a_second_detokenizer_does_not_take_over_a_live_one():
+    c = make_cluster()
+    net = Net(c)
+    net.join("g0")
+    d1 = net.join_detok("detok-a")
+    net.submit("r", prompt(8, 3), 12)
+    net.turn()
+    intruder = FakeDetok("detok-x")
+    net.send(c.on_hello(intruder.ident, P.Hello(role="detokenizer", worker_id="detok-x"), net.now))
+    assert not net.backend[intruder.ident]  # no answer: it says HELLO again, and waits
+    assert c.delivery.detok.worker_id == "detok-a"
+    net.run(lambda: net.done("r"))  # every token still goes through detok-a
+    assert net.got("r")[0] == reference(prompt(8, 3), 12) and net.detok is d1
+    assert not any(isinstance(m, P.DetokNew) for m in net.backend[intruder.ident])
+    # the live one goes silent (died): the waiting one is welcomed at the next tick, no new HELLO needed
+    net.now += 0.6
+    net.send(c.tick(net.now + 0.6))
+    assert net.backend[intruder.ident][-1].status == "accepted" and c.delivery.detok.worker_id == "detok-x"
 
 
 def test_detokenizer_silence_and_goodbye_leave_streams_waiting():

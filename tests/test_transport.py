@@ -506,3 +506,20 @@ def test_curve_allowed_and_refused(ctx, socks, tmp_path):
             socks(zmq.DEALER, curve_client_secret_key=good_secret)
     finally:
         auth.stop()
+
+    # per ZAP domain (make_socket(zap_domain=...)): domain "a" admits the allow-list, an unlisted one nobody
+    auth = curve.start_authenticator(ctx, {"a": [allowed]})
+    try:
+        for domain, admitted in (("a", True), ("b", False)):
+            srv = socks(zmq.ROUTER, curve_server_secret_key=server_secret, zap_domain=domain)
+            assert srv.getsockopt_string(zmq.ZAP_DOMAIN) == domain
+            where = T.bind_free_port(srv)
+            peer = T.Channel(socks(zmq.DEALER, connect=where, identity=b"good", curve_client_secret_key=good_secret,
+                                   curve_server_public_key=server_pub))
+            peer.try_send(M.Ping(nonce=15))
+            if admitted:
+                assert T.Channel(srv).recv(timeout=TIMEOUT)[1].nonce == 15
+            else:
+                expect_nothing(srv, 0.7)
+    finally:
+        auth.stop()

@@ -106,7 +106,8 @@ class AsyncClient:
     on; create one per loop (or use ``Client`` from threads).
     ``curve_keys``: a CURVE key directory (``zeroserve keys DIR``) when the scheduler uses CURVE;
     None = ``$ZEROSERVE_CURVE_KEYS`` if set, ``False`` = plain even then. ``curve_client_name``:
-    whose key to use (``clients/NAME.key_secret``); None = ``$ZEROSERVE_CURVE_CLIENT`` or "client".
+    whose client key to use (``clients/NAME.key_secret``; the scheduler admits only client keys on
+    the client port); None = ``$ZEROSERVE_CURVE_CLIENT`` or "client".
     A missing key file raises ``CurveKeyError`` here, naming the file.
     ``retries``: how many times a request the scheduler lost in a restart is submitted again to
     the new one, as long as none of its output had arrived (0: it fails with ClusterUnavailable).
@@ -125,7 +126,7 @@ class AsyncClient:
         if curve_keys is None:
             curve_keys = os.environ.get(CURVE_KEYS_ENV) or None
         self.curve = curve_client_keys(curve_keys or None,
-                                       curve_client_name or os.environ.get(CURVE_CLIENT_ENV) or None)
+                                       curve_client_name or os.environ.get(CURVE_CLIENT_ENV) or None, role="client")
         self.timeout_s = _check_timeout("timeout_s", timeout_s, allow_none=False)
         self.request_timeout_s = _check_timeout("request_timeout_s", request_timeout_s)
         self.identity = f"client-{os.urandom(6).hex()}".encode()
@@ -201,7 +202,7 @@ class AsyncClient:
         return self._closed
 
     def _unavailable(self) -> ClusterUnavailable:
-        hint = (f"with CURVE: is client key {self.curve.name!r} in the scheduler's allowed/ folder, and "
+        hint = (f"with CURVE: is client key {self.curve.name!r} in the scheduler's allowed/clients/ folder, and "
                 f"{self.curve.server_public_key_file.name} the scheduler's key?" if self.curve else
                 "if the scheduler uses CURVE, pass curve_keys= (or set ZEROSERVE_CURVE_KEYS)")
         return ClusterUnavailable(f"no answer from the scheduler at {self.address} for {self.timeout_s:g} s; "
@@ -256,7 +257,7 @@ class AsyncClient:
         self._reqs[request_id] = r
         self._send_frames(frames)
         if self._scheduler_id is None:  # learn who holds it now, not a ping interval later
-            self._send(P.Ping(nonce=self._next_nonce()))
+            self._send(self._ping())
         return r
 
     def _end(self, r: _Req, error: BaseException | None = None, *, abort: bool = False,
@@ -432,6 +433,11 @@ class AsyncClient:
         self._nonce = next(self._nonces)
         return self._nonce
 
+    def _ping(self) -> P.Ping:
+        """A Ping naming the requests no Pong confirmed yet (the newest MAX_PING_IDS)."""
+        unconfirmed = [r.wire for r in self._reqs.values() if r.sid is None]
+        return P.Ping(nonce=self._next_nonce(), request_ids=unconfirmed[-P.MAX_PING_IDS:])
+
     def _on_pong(self, m: P.Pong) -> None:
         """Which scheduler holds each live request; those a restarted one lost end or go again."""
         sid = m.scheduler_id
@@ -439,6 +445,7 @@ class AsyncClient:
             return
         prev, self._scheduler_id = self._scheduler_id, sid
         switched = prev is not None and prev != sid
+        unknown = set(m.unknown)
         lost = []
         for r in self._reqs.values():
             if r.sid == sid:
@@ -446,11 +453,12 @@ class AsyncClient:
             if r.sid is None:
                 if m.nonce <= r.nonce0:  # a Ping sent before the Submit: says nothing about it
                     continue
-                if not switched:
+                if not switched and r.wire not in unknown:
                     r.sid = sid
                     continue
-                # the first Pong of a new scheduler, for a Submit sent before its Ping: it may
-                # have left for the old one (and died with it); re-submitting under another
+                # the first Pong of a new scheduler, for a Submit sent before its Ping, or a
+                # scheduler that says it does not hold it (it restarted before any Pong reached
+                # us): the Submit went to a scheduler that died; re-submitting under another
                 # wire id is safe either way (the Abort frees a copy the new one got)
             lost.append(r)
         if lost:
@@ -501,7 +509,7 @@ class AsyncClient:
             now = loop.time()
             if now - last_ping >= self._ping_s:
                 last_ping = now
-                self._send(P.Ping(nonce=self._next_nonce()))
+                self._send(self._ping())
             last_rx = self._last_rx
             deadline = math.inf
             dead = []

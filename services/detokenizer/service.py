@@ -38,7 +38,7 @@ class DetokenizerService:
                  heartbeat_interval_s: float = 1.0, curve_keys: str | None = None,
                  curve_client: str | None = None) -> None:
         self.scheduler_addr = scheduler_addr
-        self.curve = curve_client_keys(curve_keys, curve_client)  # None: a plain connection
+        self.curve = curve_client_keys(curve_keys, curve_client, role="detokenizer")  # None: a plain connection
         self.worker_id = worker_id or f"detok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.tokenizers = {}
         for d in model_dirs:

@@ -80,6 +80,11 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every chunk (vLLM's stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -26,7 +26,7 @@ import msgspec
 from common import messages as P
 from common.codec import check_version
 from common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
-from common.log import get_logger
+from common.log import LogBudget, get_logger
 from services.scheduler.admission import (
     check_params_for_model,
     check_prompt_ids,
@@ -34,17 +34,18 @@ from services.scheduler.admission import (
     fan_out,
     split_prompt,
 )
-from services.scheduler.delivery import Delivery, Live, Seq
+from services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outbox import Outbox
 from services.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from common.model_config import ModelConfig
     from common.config import SchedulerConfig
+    from common.model_config import ModelConfig
 
 log = get_logger("scheduler")
+_PEER_ERROR_LOG = LogBudget("peer error / second detokenizer")  # hostile peers send these by the thousand
 
 Handler = Callable[[bytes, Any, float], Outbox]
 
@@ -154,7 +155,8 @@ class Cluster:
     def on_ping(self, ident: bytes, m: P.Ping, now: float) -> Outbox:
         self.client_seen[ident] = now
         ob = Outbox()
-        ob.to_client(ident, P.Pong(nonce=m.nonce, scheduler_id=self.id))
+        unknown = [rid for rid in m.request_ids if (ident, rid) not in self.by_client]
+        ob.to_client(ident, P.Pong(nonce=m.nonce, scheduler_id=self.id, unknown=unknown))
         return ob
 
     def on_stats_request(self, ident: bytes, m: P.StatsRequest, now: float) -> Outbox:
@@ -261,6 +263,11 @@ class Cluster:
         reason = check_version(h)
         if reason:
             self.groups.refuse(ident, reason, ob)
+        elif h.role == "detokenizer" and self.delivery.held(ident, now, self._detok_alive_s()):
+            if ident not in self.delivery.waiting and _PEER_ERROR_LOG.allow(now):
+                log.warning("a second detokenizer said HELLO while one is alive; it waits",
+                            worker=h.worker_id, live=self.delivery.detok.worker_id)
+            self.delivery.wait(ident, h)
         elif h.role == "detokenizer":
             self.delivery.joined(ident, h, now, list(self.live.values()), ob)
         else:
@@ -268,7 +275,8 @@ class Cluster:
         return ob
 
     def on_peer_error(self, ident: bytes, m: P.Error, now: float) -> Outbox:
-        log.warning("peer reported an error", code=m.code, message=m.message)
+        if _PEER_ERROR_LOG.allow(now):
+            log.warning("peer reported an error", code=m.code, message=m.message)
         return Outbox()
 
     def _from_worker(self, ident: bytes, msg, now: float, ob: Outbox):
@@ -370,6 +378,10 @@ class Cluster:
         self._requeue(self.groups.check(now, ob), ob)
         self.metrics.refresh(self, now)
         self.delivery.check(now, self.cfg.heartbeat_timeout_s)
+        for ident, h in reversed(list(self.delivery.waiting.items())):  # the live one went silent: the newest takes over
+            if not self.delivery.held(ident, now, self._detok_alive_s()):
+                self.delivery.joined(ident, h, now, list(self.live.values()), ob)
+                break
         for live in list(self.live.values()):
             if live.deadline is not None and now > live.deadline:
                 ob.to_client(live.client, P.Error(
@@ -389,6 +401,9 @@ class Cluster:
             self.last_stats = now
             ob.event(b"stats", P.Event(kind="stats", ts=time.time(), data=self.stats(now)))
         return ob
+
+    def _detok_alive_s(self) -> float:
+        return min(DETOK_ALIVE_S, self.cfg.heartbeat_timeout_s / 2)
 
     def close(self) -> Outbox:
         ob = Outbox()

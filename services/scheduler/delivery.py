@@ -87,10 +87,15 @@ class DetokLink:
     last_seen: float
 
 
+DETOK_ALIVE_S = 2.5  # heard from within this (heartbeats come every second): the detokenizer is alive
+MAX_WAITING_DETOKS = 4  # newcomers held while it is
+
+
 class Delivery:
     def __init__(self, scheduler_id: str) -> None:
         self.scheduler_id = scheduler_id
         self.detok: DetokLink | None = None
+        self.waiting: dict[bytes, P.Hello] = {}  # detokenizers that said HELLO while one was alive
         self.detok_seq = itertools.count(1)
         self.detok_new: list[P.DetokRequest] = []  # sequences the detokenizer has not seen
         self.detok_tokens: dict[str, Pending] = {}  # seq id -> tokens to send at the next flush
@@ -145,7 +150,22 @@ class Delivery:
             ob.to_backend(self.detok.ident, P.DetokFree(req_ids=free))
 
     # ================================================================ the detokenizer link
+    def held(self, ident: bytes, now: float, alive_s: float = DETOK_ALIVE_S) -> bool:
+        """A live detokenizer (heard from within ``alive_s``) on another connection: a newcomer
+        waits (it says HELLO again) instead of taking the streams over. One that died is silent
+        from then on, so its successor gets in within ``alive_s``."""
+        d = self.detok
+        return d is not None and d.ident != ident and now - d.last_seen < alive_s
+
+    def wait(self, ident: bytes, h: P.Hello) -> None:
+        """Keep a held newcomer's HELLO (the newest few): it is answered when the live one goes silent."""
+        self.waiting.pop(ident, None)
+        self.waiting[ident] = h
+        while len(self.waiting) > MAX_WAITING_DETOKS:
+            del self.waiting[next(iter(self.waiting))]
+
     def joined(self, ident: bytes, h: P.Hello, now: float, lives: list[Live], ob: Outbox) -> None:
+        self.waiting.clear()
         log.info("detokenizer joined", worker=h.worker_id, pid=h.pid)
         self.detok = DetokLink(ident, h.worker_id, now)
         ob.to_backend(ident, P.Welcome(status="accepted", scheduler_id=self.scheduler_id))

@@ -11,13 +11,14 @@ the groups held, for the cluster to route again.
 from __future__ import annotations
 
 import enum
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from common import messages as P
 from common.errors import InvalidRequest
-from common.log import get_logger
+from common.log import LogBudget, get_logger
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.outbox import Outbox
 from services.scheduler.policy import Scheduler as Policy
@@ -25,10 +26,11 @@ from services.scheduler.policy import TokenEvent
 from services.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from services.scheduler.cluster import ModelInfo
     from common.config import SchedulerConfig
+    from services.scheduler.cluster import ModelInfo
 
 log = get_logger("scheduler")
+_REFUSED_LOG = LogBudget("refused a peer")  # hostile peers can send these by the thousand
 
 CHECK_INTERVAL_S = 0.25  # liveness checks need not run on every loop turn
 # what a HELLO may announce (anything else is refused with the reason): block sizes the
@@ -141,7 +143,8 @@ class Groups:
 
     # ================================================================ joining
     def refuse(self, ident: bytes, reason: str, ob: Outbox) -> None:
-        log.warning("refused a peer", reason=reason)
+        if _REFUSED_LOG.allow(time.monotonic()):
+            log.warning("refused a peer", reason=reason)
         ob.to_backend(ident, P.Welcome(status="refused", detail=reason, scheduler_id=self.scheduler_id))
 
     def hello(self, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> list[Request]:

@@ -26,13 +26,15 @@ from common.codec import ProtocolError, group_topic, v1_refusal
 from common.config import SchedulerConfig, from_cli_args
 from common.curve import curve_server_keys, start_authenticator
 from common.errors import InvalidRequest, ZeroserveError
-from common.log import get_logger
+from common.log import LogBudget, get_logger
+from common.memory import Trimmer
 from common.transport import Channel, is_loopback, make_socket
 from services.scheduler.cluster import Cluster, ModelInfo
 from services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
 
 log = get_logger("scheduler")
 
+CLIENT_BATCH, BACKEND_BATCH = 256, 1024  # messages per socket per loop turn
 BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3 of these
 
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
@@ -59,9 +61,11 @@ class SchedulerService:
         self.ctx = ctx or zmq.Context.instance()
         models = load_models(cfg.models)
         self.addrs = addrs = cfg.addresses()
-        # CURVE: every bound socket is a CURVE server; the ZAP handler admits only allowed keys
+        # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
+        # domain is its name): client keys on "client", worker and detokenizer keys on "backend"
+        # and "steps", any role on "events" (common/curve.py, SOCKET_ROLES)
         curve = curve_server_keys(cfg.curve_keys)
-        self.auth = start_authenticator(self.ctx, curve.allowed_dir) if curve else None
+        self.auth = start_authenticator(self.ctx, curve.allow_lists()) if curve else None
         kw = curve.socket_kwargs() if curve else {}
         socks = []
         try:
@@ -72,7 +76,8 @@ class SchedulerService:
                 # identity of a peer that vanished without closing its connection
                 extra = ({"router_handover": False, "heartbeat_ivl_ms": BACKEND_ZMTP_HEARTBEAT_MS}
                          if name == "backend" else {})
-                socks.append(make_socket(self.ctx, sock_type, bind=addrs[name], **kw, **extra))
+                socks.append(make_socket(self.ctx, sock_type, bind=addrs[name], zap_domain=name if curve else None,
+                                         **kw, **extra))
         except BaseException:
             for s in socks:
                 s.close(linger=0)
@@ -82,13 +87,18 @@ class SchedulerService:
         self.client_sock, self.backend, self.steps_pub, self.events_pub = socks
         self.client_ch, self.backend_ch, self.steps_ch, self.events_ch = (Channel(s) for s in socks)
         if curve:
-            log.info("CURVE on: peers must hold an allowed client key", allowed=str(curve.allowed_dir),
-                     allowed_keys=len(list(curve.allowed_dir.glob("*.key"))))
+            log.info("CURVE on: each socket admits only its roles' allowed keys", allowed=str(curve.allowed_dir),
+                     allowed_keys=curve.key_counts())
         elif not is_loopback(cfg.host):
             log.warning("bound to a non-loopback host without CURVE: traffic is unauthenticated and unencrypted; "
-                        "whoever reaches these ports can submit requests or pose as a worker. Fine on a private "
-                        "network; otherwise run `zeroserve keys DIR` and start every process with --curve-keys DIR "
-                        "(env ZEROSERVE_CURVE_KEYS)", host=cfg.host)
+                        "whoever reaches these ports can submit requests, read prompts on the steps port or pose "
+                        "as a worker. Fine on a private network; otherwise run `zeroserve keys DIR` and start every "
+                        "process with --curve-keys DIR (env ZEROSERVE_CURVE_KEYS)", host=cfg.host)
+        else:  # loopback is no boundary between local users: say so once
+            log.warning("CURVE is off: any process that reaches these ports (on loopback: any local process or "
+                        "user) can submit requests, read prompts on the steps port, or join as a worker or "
+                        "detokenizer; to turn CURVE on, run `zeroserve keys DIR` and start every process with "
+                        "--curve-keys DIR (env ZEROSERVE_CURVE_KEYS)", host=cfg.host)
         for s in (self.client_sock, self.backend):
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails instead of vanishing
         step_addr = f"tcp://{cfg.advertise_host or cfg.host}:{cfg.port + 2}"
@@ -111,6 +121,8 @@ class SchedulerService:
         self.client_table = self._table(self.cluster.client_handlers(), "client")
         self.backend_table = self._table(self.cluster.backend_handlers(), "worker")
         self._stop = False
+        self.trimmer = Trimmer()  # what departed peers left on the heap goes back to the OS
+        self.bad_log = LogBudget("bad message")  # a flood of garbage writes a few lines, not one per frame
         self.metrics_server = None
         if cfg.metrics_port:  # Prometheus over HTTP, in a thread of its own (services/scheduler/metrics.py)
             from services.scheduler.metrics import serve_http
@@ -128,10 +140,11 @@ class SchedulerService:
         try:
             while not self._stop:
                 events = dict(self.poller.poll(50 if self.cluster.groups.probing() else 200))
-                if self.backend in events:
-                    self._dispatch(self.backend_ch, self.backend_table)
+                # clients first, a bounded batch: a flood of client frames must not keep the
+                # workers' heartbeats unread until the tick below gives their group up
                 if self.client_sock in events:
-                    self._dispatch(self.client_ch, self.client_table)
+                    self._dispatch(self.client_ch, self.client_table, CLIENT_BATCH)
+                self._dispatch(self.backend_ch, self.backend_table, BACKEND_BATCH)
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
                         self.wake_rx.recv()
@@ -140,6 +153,7 @@ class SchedulerService:
                 self._send(self.cluster.tick(now))
                 self._send(self.cluster.dispatch(now))
                 self._send(self.cluster.flush())
+                self.trimmer.maybe(now)
         finally:
             self.close()
 
@@ -175,11 +189,12 @@ class SchedulerService:
         table.update((cls, run(fn)) for cls, fn in handlers.items())
         return table
 
-    def _dispatch(self, ch: Channel, table: dict) -> None:
+    def _dispatch(self, ch: Channel, table: dict, limit: int) -> None:
         def on_bad(e: ProtocolError) -> None:
             if e.identity is None:
                 return
-            log.warning("bad message", peer=e.identity.hex()[:16], reason=e.reason)
+            if self.bad_log.allow(time.monotonic()):
+                log.warning("bad message", peer=e.identity.hex()[:16], reason=e.reason)
             if e.peer_version == 1:  # a v1 peer reads only v1's WELCOME: refuse it in words it can read
                 ch.try_send_frames([e.identity, *v1_refusal(f"protocol version mismatch: {e.reason}")])
             else:
@@ -195,7 +210,7 @@ class SchedulerService:
                 ch.try_send(P.Error(request_id=rid, code="internal",
                                     message=f"internal error: {type(e).__name__}: {e}"), ident)
 
-        ch.dispatch(table, on_bad=on_bad, on_error=on_error)
+        ch.dispatch(table, on_bad=on_bad, on_error=on_error, limit=limit)
 
     def _on_tokenized(self) -> None:
         while True:

@@ -63,7 +63,7 @@ class WorkerService:
                  curve_keys: str | None = None, curve_client: str | None = None) -> None:
         self.args = args
         # CURVE: every socket to the scheduler (dealer, heartbeat dealer, step SUB) uses this key
-        self.curve = curve_client_keys(curve_keys, curve_client)
+        self.curve = curve_client_keys(curve_keys, curve_client, role="worker")  # DIR/workers/NAME.key_secret
         self.curve_kw = self.curve.socket_kwargs() if self.curve else {}
         self.scheduler_addr = scheduler_addr
         self.tp_rank, self.tp_size = tp_rank, args.tp_size

@@ -33,13 +33,22 @@ class FakeScheduler:
         self.sid = "sched-A"
         self.submits: list[tuple[bytes, P.Submit]] = []
         self.aborts: list[str] = []
+        self.forgets = False  # True: a Pong names every asked-about request it has no Submit for
+
+    def drop_all(self) -> None:
+        """Take in and lose everything waiting (the scheduler died after reading it)."""
+        while self.sock.poll(0):
+            self.sock.recv_multipart()
 
     def pump(self) -> None:
         while self.sock.poll(0):
             ident, *frames = self.sock.recv_multipart()
             m = codec.decode(frames)
             if isinstance(m, P.Ping):
-                self.sock.send_multipart([ident, *codec.encode(P.Pong(nonce=m.nonce, scheduler_id=self.sid))])
+                held = {sub.request_id for _, sub in self.submits}
+                unknown = [r for r in m.request_ids if r not in held] if self.forgets else []
+                self.sock.send_multipart([ident, *codec.encode(P.Pong(nonce=m.nonce, scheduler_id=self.sid,
+                                                                      unknown=unknown))])
             elif isinstance(m, P.Submit):
                 self.submits.append((ident, m))
             elif isinstance(m, P.Abort):
@@ -121,6 +130,39 @@ def test_without_retries_an_unstarted_request_fails_too_and_new_ones_go_to_the_n
             assert fut.result().outputs[0].token_ids == [5]
             await asyncio.sleep(1.2)  # pongs from B now: b stays B's, nothing more fails
             fake.pump()
+
+    try:
+        asyncio.run(main())
+    finally:
+        fake.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_scheduler_that_died_before_the_first_pong_is_noticed_too():
+    """The first request of a fresh client: its Submit and Ping reach a scheduler that dies
+    before answering; the restarted one (whose id the client never saw) says in its Pong that
+    it does not hold the request, which goes again (retries) or fails at once, never hangs."""
+    fake = FakeScheduler()
+
+    async def main():
+        async with AsyncClient(fake.address, timeout_s=30.0, retries=1) as c:
+            retried = asyncio.ensure_future(c.generate([1, 2], {"max_tokens": 2}, request_id="a"))
+            await asyncio.sleep(0.2)
+            fake.drop_all()  # Submit "a" and its Ping: read, then lost with the scheduler
+            fake.sid, fake.forgets = "sched-B", True
+            await _until(lambda: len(fake.submits) == 1, fake, timeout=3.0)
+            ident, again = fake.submits[0]
+            assert again.request_id == "a~1"
+            fake.output(ident, "a~1", 5, finish="length")
+            assert (await asyncio.wait_for(retried, 5)).outputs[0].token_ids == [5]
+        async with AsyncClient(fake.address, timeout_s=30.0) as c:  # no retries: a typed error, at once
+            fut = asyncio.ensure_future(c.generate([3], {"max_tokens": 2}, request_id="b"))
+            await asyncio.sleep(0.2)
+            fake.drop_all()
+            fake.submits.clear()
+            await _until(fut.done, fake, timeout=3.0)
+            with pytest.raises(ClusterUnavailable, match="scheduler restarted"):
+                fut.result()
 
     try:
         asyncio.run(main())
