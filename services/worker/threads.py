@@ -5,9 +5,11 @@ A worker shares its cores: with the scheduler, the detokenizer and the gateway u
 up`, with other workers in a compose stack. OpenMP threads that spin while they wait (the
 default) then steal those cycles, and lose them back to every other spinning thread: on the
 2-core dev box a decode-sized linear went from 1.2 ms to 8.6 ms with another busy process, and
-the same worker workload took 28.9 s spinning vs 21.0 s with PASSIVE. So a worker waits
-passively unless OMP_WAIT_POLICY says otherwise; `benchmarks/batch1.py --omp-wait-policy`
-measures both on a machine.
+the same worker workload took 28.9 s spinning vs 21.0 s with PASSIVE. On a host running only
+the cluster no setting was clearly ahead (SmolLM2, 32 streams through `benchmarks/serve.py`,
+output tok/s, HTTP/direct: PASSIVE 71.8/76.8 and 69.3/78.4; ACTIVE 73.8/78.5; libgomp's default
+spin-then-sleep 89.8/90.2, 66.1/71.5, 84.9/67.9: +-15% run to run). So a worker waits passively
+unless OMP_WAIT_POLICY says otherwise: little to lose alone, much when the cores are shared.
 """
 
 from __future__ import annotations
