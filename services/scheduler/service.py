@@ -35,6 +35,7 @@ from services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
 log = get_logger("scheduler")
 
 CLIENT_BATCH, BACKEND_BATCH = 256, 1024  # messages per socket per loop turn
+MAX_SUBSCRIPTION_BYTES = 1024  # a group topic is <= 258 bytes; a SUB sending more is disconnected
 BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3 of these
 
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
@@ -76,6 +77,9 @@ class SchedulerService:
                 # identity of a peer that vanished without closing its connection
                 extra = ({"router_handover": False, "heartbeat_ivl_ms": BACKEND_ZMTP_HEARTBEAT_MS}
                          if name == "backend" else {})
+                if sock_type == zmq.PUB:  # all a PUB reads is subscriptions: a long topic costs a
+                    extra["max_message_size"] = MAX_SUBSCRIPTION_BYTES  # trie node per byte
+
                 socks.append(make_socket(self.ctx, sock_type, bind=addrs[name], zap_domain=name if curve else None,
                                          **kw, **extra))
         except BaseException:
