@@ -507,7 +507,17 @@ def test_curve_allowed_and_refused(ctx, socks, tmp_path):
     finally:
         auth.stop()
 
-    # per ZAP domain (make_socket(zap_domain=...)): domain "a" admits the allow-list, an unlisted one nobody
+
+def test_curve_zap_domains(ctx, socks, tmp_path):
+    """Per ZAP domain (make_socket(zap_domain=...)): domain "a" admits the allow-list, an unlisted
+    one nobody. (A test of its own: a second authenticator on one context races the first one's
+    ZAP endpoint, inproc://zeromq.zap.01, which its thread releases only after stop().)"""
+    from common import curve
+
+    server_pub, server_secret = curve.generate_keys(tmp_path / "server", "server")
+    _, good_secret = curve.generate_keys(tmp_path / "clients", "good")
+    allowed = tmp_path / "allowed"
+    curve.allow_client(allowed, tmp_path / "clients" / "good.key")
     auth = curve.start_authenticator(ctx, {"a": [allowed]})
     try:
         for domain, admitted in (("a", True), ("b", False)):
