@@ -280,15 +280,20 @@ def _token_str(tok, token_id: int) -> str:
     return tok.decode([token_id])
 
 
+def _sampled(tok, entries: list[dict]):
+    """(sampled token's string, its Logprob, every (id, Logprob) of the entry) per non-empty
+    entry; an entry's first item is the sampled token (common/outputs.py)."""
+    for entry in entries:
+        if entry:
+            items = list(entry.items())
+            tid, lp = items[0]
+            yield _token_str(tok, tid), lp, items
+
+
 def _completion_logprobs(tok, entries: list[dict], offset: int) -> dict:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for entry in entries:
-        if not entry:
-            continue
-        items = list(entry.items())
-        tid, lp = items[0]
-        s = _token_str(tok, tid)
+    for s, lp, items in _sampled(tok, entries):
         out["tokens"].append(s)
         out["token_logprobs"].append(lp.logprob)
         out["top_logprobs"].append({_token_str(tok, t): x.logprob for t, x in items})
@@ -299,12 +304,7 @@ def _completion_logprobs(tok, entries: list[dict], offset: int) -> dict:
 
 def _chat_logprobs(tok, entries: list[dict], top: int) -> dict:
     content = []
-    for entry in entries:
-        if not entry:
-            continue
-        items = list(entry.items())
-        tid, lp = items[0]
-        s = _token_str(tok, tid)
+    for s, lp, items in _sampled(tok, entries):
         tops = [{"token": _token_str(tok, t), "logprob": x.logprob, "bytes": list(_token_str(tok, t).encode())}
                 for t, x in sorted((kv for kv in items if kv[1].rank is not None and kv[1].rank <= top),
                                    key=lambda kv: kv[1].rank)]
