@@ -1,15 +1,19 @@
 """The CPU's compiled kernels: built from kernels/csrc with the system C compiler on first use.
 
 Why built at run time: the kernels are compiled for the CPU they run on (``-march=native``),
-and a machine without a compiler still serves through the torch twins. The shared library is
+and a machine without a compiler still serves through the torch twins. Each shared library is
 cached under ``$ZEROSERVE_CACHE/kernels`` (default ``~/.cache/zeroserve``; the temp dir if that
-is not writable) keyed by the source,
-the flags and the CPU, so each machine compiles once (well under a second).
+is not writable) keyed by the source, the flags and the CPU, so each machine compiles once
+(well under a second per library).
 
-``ZEROSERVE_CPU_NATIVE=0`` turns the compiled kernels off; ``available()`` says whether they
-loaded and, if not, ``unavailable_reason()`` says why. The quantized matmul kernels
-(csrc/qmatmul.c, used by kernels/quant.py) are a second library loaded on their own first use:
-``quant_lib()`` returns it or None, ``quant_unavailable_reason()`` says why.
+Three libraries, each loaded on its own first use, each with a reason when it could not be:
+- csrc/paged_decode.c, decode attention: ``available()`` / ``unavailable_reason()``;
+- csrc/qmatmul.c, quantized matmuls (kernels/quant.py): ``quant_lib()`` / ``quant_unavailable_reason()``;
+- csrc/cpu_ops.c, the per-layer small ops (kernels/cpu_ops.py): ``ops_lib()`` / ``ops_unavailable_reason()``;
+- csrc/decode_step.c, a packed model's whole decode forward (services/worker/model/cpu_step.py):
+  ``step_lib()``.
+
+``ZEROSERVE_CPU_NATIVE=0`` turns all of them off.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,24 +35,22 @@ from common.log import get_logger
 
 log = get_logger("kernels.cpu_native")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_decode.c"
 # -fassociative-math lets the dot products vectorize; no -ffinite-math-only (-FLT_MAX/exp of
 # large negatives must behave)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-QUANT_SOURCE = Path(__file__).parent / "csrc" / "qmatmul.c"
+QUANT_SOURCE = CSRC / "qmatmul.c"
 # no reassociation and no implicit FMA contraction: the summation order is the one written in
 # the source (thread- and batch-invariant) and decoded weights match the torch twin exactly
 QUANT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
                 "-ffp-contract=off"]
+OPS_SOURCE = CSRC / "cpu_ops.c"
+OPS_CFLAGS = QUANT_CFLAGS  # the same reason: the twins' roundings, operation by operation
+STEP_SOURCE = CSRC / "decode_step.c"  # includes cpu_ops.c: built with its flags
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None
-_loaded = False
-_qlib: ctypes.CDLL | None = None
-_qreason: str | None = None
-_qloaded = False
 
 
 def _cache_dir() -> Path:
@@ -76,7 +79,8 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str, source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
-    src = source.read_bytes()
+    # every file of csrc/ in the key: a source may #include another
+    src = source.read_bytes() + b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
     key = hashlib.sha256(src + " ".join([cc, *cflags]).encode() + _cpu_id().encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
@@ -104,107 +108,139 @@ def _find_cc() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _load() -> None:
-    global _lib, _reason, _loaded
-    if _loaded:  # the hot path (every layer of every step): no lock once loaded
-        return
-    with _lock:
-        if _loaded:
-            return
-        _loaded = True
+class _Native:
+    """One compiled library: built and bound on first `get()`, or None with `reason` saying why."""
+
+    def __init__(self, source: Path, cflags: list[str], bind: Callable[[ctypes.CDLL], ctypes.CDLL],
+                 fallback: str) -> None:
+        self.source, self.cflags, self.bind, self.fallback = source, cflags, bind, fallback
+        self.lib: ctypes.CDLL | None = None
+        self.reason: str | None = None
+        self.loaded = False
+
+    def get(self) -> ctypes.CDLL | None:
+        if not self.loaded:  # the hot path (every layer of every step): no lock once loaded
+            with _lock:
+                if not self.loaded:
+                    self._load()
+                    self.loaded = True
+        return self.lib
+
+    def _load(self) -> None:
         if _turned_off():
-            _reason = "turned off by ZEROSERVE_CPU_NATIVE=0"
-            return
-        cc = _find_cc()
-        if cc is None:
-            _reason = "no C compiler found (install gcc, or set CC)"
-            log.warning("compiled CPU kernels unavailable; decode attention uses the torch twin", reason=_reason)
+            self.reason = "turned off by ZEROSERVE_CPU_NATIVE=0"
             return
         try:
-            path = _build(cc)
-            lib = ctypes.CDLL(str(path))
+            cc = _find_cc()
+            if cc is None:
+                raise RuntimeError("no C compiler found (install gcc, or set CC)")
+            path = _build(cc, self.source, self.cflags)
+            self.lib = self.bind(ctypes.CDLL(str(path)))
         except Exception as e:  # noqa: BLE001 (any failure: serve through the twin, say why)
-            _reason = f"{type(e).__name__}: {e}"
-            log.warning("compiled CPU kernels unavailable; decode attention uses the torch twin", reason=_reason)
+            self.reason = f"{type(e).__name__}: {e}"
+            log.warning(f"compiled {self.source.name} unavailable; {self.fallback}", reason=self.reason)
             return
-        f = lib.zs_paged_decode_f32
-        f.restype = ctypes.c_int
-        p = ctypes.c_void_p
-        i = ctypes.c_int
-        f.argtypes = [p, p, p, p, ctypes.c_int64, p, p, i, i, i, i, i, ctypes.c_float, i]
-        mg, md = ctypes.c_int(), ctypes.c_int()
-        lib.zs_limits(ctypes.byref(mg), ctypes.byref(md))
-        lib.max_group, lib.max_dim = mg.value, md.value
-        _lib = lib
         log.debug("compiled CPU kernels loaded", path=str(path))
 
 
-def available() -> bool:
-    _load()
-    return _lib is not None
+P, I, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
-def unavailable_reason() -> str | None:
-    _load()
-    return _reason
-
-
-def _load_quant() -> None:
-    global _qlib, _qreason, _qloaded
-    if _qloaded:
-        return
-    with _lock:
-        if _qloaded:
-            return
-        _qloaded = True
-        if _turned_off():
-            _qreason = "turned off by ZEROSERVE_CPU_NATIVE=0"
-            return
-        cc = _find_cc()
-        try:
-            if cc is None:
-                raise RuntimeError("no C compiler found (install gcc, or set CC)")
-            path = _build(cc, QUANT_SOURCE, QUANT_CFLAGS)
-            lib = ctypes.CDLL(str(path))
-        except Exception as e:  # noqa: BLE001 (any failure: serve through the twin, say why)
-            _qreason = f"{type(e).__name__}: {e}"
-            log.warning("compiled quantized matmul unavailable; quantized linears use the torch twin", reason=_qreason)
-            return
-        _qlib = bind_quant(lib)
-        log.debug("compiled quantized matmul loaded", path=str(path), isa=_qlib.isa)
+def _bind_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
+    f = lib.zs_paged_decode_f32
+    f.restype = I
+    f.argtypes = [P, P, P, P, I64, P, P, I, I, I, I, I, F32, I]
+    mg, md = ctypes.c_int(), ctypes.c_int()
+    lib.zs_limits(ctypes.byref(mg), ctypes.byref(md))
+    lib.max_group, lib.max_dim = mg.value, md.value
+    return lib
 
 
 def bind_quant(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare qmatmul.c's entry points on a loaded library (tests load other builds too)."""
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     f = lib.zs_qmatmul_f32
-    f.restype = i
-    f.argtypes = [i, p, i64, p, p, i64, i, p, i64, p, i64, i, i, i, i]
-    lib.zs_qm_isa.restype = i
+    f.restype = I
+    f.argtypes = [I, P, I64, P, P, I64, I, P, I64, P, I64, I, I, I, I]
+    lib.zs_qm_isa.restype = I
     lib.isa = {2: "avx512", 1: "avx2"}.get(lib.zs_qm_isa(), "portable")
     return lib
 
 
+def _bind_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, args in (
+        ("zs_add_rms_norm_f32", [P, I64, P, I64, P, P, I64, P, I64, I, I, F32, I]),
+        ("zs_rope_f32", [P, P, I64, I64, I, P, I64, I64, I, I, P, I, I64, P, P, I, I]),
+        ("zs_silu_and_mul_f32", [P, I64, P, I64, I, I, I]),
+        ("zs_write_kv_f32", [P, I64, I64, P, I64, I64, P, P, P, I64, I, I, I]),
+    ):
+        f = getattr(lib, name)
+        f.restype, f.argtypes = I, args
+    return lib
+
+
+_DECODE = _Native(SOURCE, CFLAGS, _bind_decode, "decode attention uses the torch twin")
+_QUANT = _Native(QUANT_SOURCE, QUANT_CFLAGS, bind_quant, "quantized linears use the torch twin")
+_OPS = _Native(OPS_SOURCE, OPS_CFLAGS, _bind_ops, "norms, rotary and the KV write use the torch twins")
+
+
+def _bind_step(lib: ctypes.CDLL) -> ctypes.CDLL:
+    f = lib.zs_decode_step_f32
+    f.restype, f.argtypes = I, [P, P, P, P, P, P, P, I64, P, I, I]
+    return lib
+
+
+_STEP = _Native(STEP_SOURCE, OPS_CFLAGS, _bind_step, "decode steps run layer by layer from Python")
+
+
+def available() -> bool:
+    return _DECODE.get() is not None
+
+
+def unavailable_reason() -> str | None:
+    _DECODE.get()
+    return _DECODE.reason
+
+
+def decode_lib() -> ctypes.CDLL | None:
+    """The compiled csrc/paged_decode.c (``zs_paged_decode_f32``), or None."""
+    return _DECODE.get()
+
+
+def step_lib() -> ctypes.CDLL | None:
+    """The compiled csrc/decode_step.c (``zs_decode_step_f32``), or None."""
+    return _STEP.get()
+
+
 def quant_lib() -> ctypes.CDLL | None:
     """The compiled csrc/qmatmul.c (``zs_qmatmul_f32``; ``.isa`` says which path it took), or None."""
-    _load_quant()
-    return _qlib
+    return _QUANT.get()
 
 
 def quant_unavailable_reason() -> str | None:
-    _load_quant()
-    return _qreason
+    _QUANT.get()
+    return _QUANT.reason
+
+
+def ops_lib() -> ctypes.CDLL | None:
+    """The compiled csrc/cpu_ops.c (norms, rotary, SiLU-and-mul, KV write), or None."""
+    return _OPS.get()
+
+
+def ops_unavailable_reason() -> str | None:
+    _OPS.get()
+    return _OPS.reason
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the compiled decode kernel takes these tensors (fp32 on CPU, shapes in limits)."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
         return False
-    if not available():
+    lib = _DECODE.get()
+    if lib is None:
         return False
     hq, d = q.shape[-2], q.shape[-1]
     hk = k_cache.shape[2]
-    return hq % hk == 0 and hq // hk <= _lib.max_group and d <= _lib.max_dim
+    return hq % hk == 0 and hq // hk <= lib.max_group and d <= lib.max_dim
 
 
 def paged_decode(
@@ -228,7 +264,7 @@ def paged_decode(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the paged KV cache must be contiguous")
     out = torch.empty_like(q)
-    rc = _lib.zs_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
+    rc = _DECODE.lib.zs_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                   bt.stride(0), sl.data_ptr(), out.data_ptr(), b, hq, hk, d, bs, float(scale),
                                   torch.get_num_threads())
     if rc != 0:

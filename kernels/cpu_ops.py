@@ -1,9 +1,11 @@
-"""The CPU op set: the torch twins, with decode attention read in place by a compiled kernel.
+"""The CPU op set: the torch twins' contract, computed by compiled kernels where they apply.
 
-Decode dominates a serving step on CPU, and the twin's gather of every request's blocks into a
-padded buffer costs more than the attention itself; ``kernels/csrc/paged_decode.c`` reads the
-blocks where they are. Prefill/extend rows, the other ops, other dtypes and machines where the
-kernel cannot be built run the torch twins unchanged.
+Decode dominates a serving step on CPU, and there a torch twin costs more in dispatch than in
+arithmetic: RMSNorm is eight aten ops on 576 floats, rotary a dozen. ``kernels/csrc/cpu_ops.c``
+does each op in one call (norms, rotary, SiLU-and-mul, the KV write; numerics as the twins',
+see the file), and ``kernels/csrc/paged_decode.c`` reads decode attention's blocks where they
+are instead of gathering them into a padded buffer. Other dtypes or devices, layouts a kernel
+does not take, and machines where the kernels cannot be built run the torch twins unchanged.
 """
 
 from __future__ import annotations
@@ -11,9 +13,106 @@ from __future__ import annotations
 import torch
 
 from kernels import AttentionMetadata, cpu_native, torch_ops
-from kernels.torch_ops import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul, write_kv
 
-__all__ = list(torch_ops.__all__)  # the same op set; only paged_attention differs
+__all__ = list(torch_ops.__all__)  # the same op set
+
+
+def _ops(*tensors: torch.Tensor):
+    """The compiled op library when every tensor is fp32 on the CPU, else None (use the twin)."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return None
+    return cpu_native.ops_lib()
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """A [T, H] matrix whose rows are contiguous (any row stride)."""
+    return x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)
+
+
+def _heads(x: torch.Tensor) -> bool:
+    """A [T, H, D] tensor whose head vectors are contiguous."""
+    return x.dim() == 3 and (x.stride(2) == 1 or x.shape[2] <= 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    lib = _ops(x, weight)
+    if lib is None or not _rows(x) or not weight.is_contiguous():
+        return torch_ops.rms_norm(x, weight, eps)
+    t, h = x.shape
+    out = torch.empty((t, h), dtype=x.dtype)
+    rc = lib.zs_add_rms_norm_f32(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), h,
+                                 None, 0, t, h, eps, torch.get_num_threads())
+    if rc != 0:
+        return torch_ops.rms_norm(x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = _ops(x, residual, weight)
+    if lib is None or not (_rows(x) and _rows(residual)) or x.shape != residual.shape or not weight.is_contiguous():
+        return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
+    t, h = x.shape
+    out = torch.empty((t, h), dtype=x.dtype)
+    new_res = torch.empty((t, h), dtype=x.dtype)
+    rc = lib.zs_add_rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                                 out.data_ptr(), h, new_res.data_ptr(), h, t, h, eps, torch.get_num_threads())
+    if rc != 0:
+        return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
+    return out, new_res
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    lib = _ops(x)
+    if lib is None or not _rows(x) or x.shape[1] % 2:
+        return torch_ops.silu_and_mul(x)
+    t, i = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, i), dtype=x.dtype)
+    if lib.zs_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), i, t, i, torch.get_num_threads()) != 0:
+        return torch_ops.silu_and_mul(x)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = _ops(q, k, cos_sin_cache)
+    if (lib is None or not (_heads(q) and _heads(k)) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
+            or not cos_sin_cache.is_contiguous() or cos_sin_cache.dim() != 2 or positions.device.type != "cpu"
+            or positions.shape != (q.shape[0],)):
+        return torch_ops.rotary_embedding(positions, q, k, cos_sin_cache)
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else positions.long().contiguous()
+    q_out = torch.empty((t, hq, d), dtype=q.dtype)
+    k_out = torch.empty((t, hk, d), dtype=k.dtype)
+    max_pos, rot = cos_sin_cache.shape
+    rc = lib.zs_rope_f32(pos.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0),
+                         k.stride(1), hk, d, cos_sin_cache.data_ptr(), rot, max_pos, q_out.data_ptr(),
+                         k_out.data_ptr(), t, torch.get_num_threads())
+    if rc != 0:  # a position outside the table, an odd rot_dim: the twin raises what torch raises
+        return torch_ops.rotary_embedding(positions, q, k, cos_sin_cache)
+    return q_out, k_out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    lib = _ops(k, v, k_cache, v_cache)
+    if (lib is None or not (_heads(k) and _heads(v)) or k.shape != v.shape or k_cache.shape != v_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[2:] != k.shape[1:]
+            or slot_mapping.device.type != "cpu" or slot_mapping.shape != (k.shape[0],)):
+        return torch_ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    t, hk, d = k.shape
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+        else slot_mapping.long().contiguous()
+    nb, bs = k_cache.shape[:2]
+    rc = lib.zs_write_kv_f32(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), nb * bs, t, hk, d)
+    if rc != 0:  # a slot past the cache: the twin raises torch's index error
+        return torch_ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(

@@ -121,3 +121,53 @@ def test_turned_off_or_without_compiler_falls_back(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert needle in r.stdout, r.stdout
+
+
+# ---------------------------------------------------------------- csrc/cpu_ops.c: the small ops
+ops_native = pytest.mark.skipif(cpu_native.ops_lib() is None, reason=f"{cpu_native.ops_unavailable_reason()}")
+
+
+@ops_native
+@pytest.mark.parametrize("t,h", [(1, 576), (3, 64), (7, 100), (300, 256)])
+def test_norms_match_twin(t, h):
+    g = torch.Generator().manual_seed(t * h)
+    base = torch.randn(t, h + 8, generator=g)
+    x = base[:, 4:4 + h]  # strided rows, as a view of a wider buffer
+    r, w = torch.randn(t, h, generator=g), torch.randn(h, generator=g)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    out, res = cpu_ops.fused_add_rms_norm(x, r, w, 1e-5)
+    out2, res2 = torch_ops.fused_add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(res, res2)  # the add is exact
+    torch.testing.assert_close(out, out2, rtol=2e-6, atol=1e-6)  # the sum of squares: another order
+
+
+@ops_native
+@pytest.mark.parametrize("rot", [64, 32])
+def test_rotary_is_the_twin_bit_for_bit(rot):
+    from services.worker.model.layers import build_cos_sin_cache
+
+    g = torch.Generator().manual_seed(rot)
+    qkv = torch.randn(5, 9 * 64 + 2 * 3 * 64, generator=g)  # q, k as strided views of one qkv row
+    q, k = qkv[:, :576].reshape(5, 9, 64), qkv[:, 576:768].reshape(5, 3, 64)
+    cs = build_cos_sin_cache(64, rot, 10000.0, None, "cpu")
+    pos = torch.tensor([0, 1, 7, 30, 63])
+    for a, b in zip(cpu_ops.rotary_embedding(pos, q, k, cs), torch_ops.rotary_embedding(pos, q, k, cs)):
+        assert torch.equal(a, b)
+    with pytest.raises(IndexError):
+        cpu_ops.rotary_embedding(torch.tensor([0, 1, 2, 3, 64]), q, k, cs)
+
+
+@ops_native
+def test_silu_and_mul_and_write_kv_match_twin():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 2 * 96, generator=g) * 4
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), torch_ops.silu_and_mul(x), rtol=2e-6, atol=1e-6)
+    kv = torch.randn(4, 2, 3, 16, generator=g)
+    k, v = kv[:, 0], kv[:, 1]  # non-contiguous rows
+    slots = torch.tensor([5, -1, 0, 17])  # -1: a padding row, skipped
+    caches = [torch.zeros(5, 4, 3, 16) for _ in range(4)]
+    cpu_ops.write_kv(k, v, caches[0], caches[1], slots)
+    torch_ops.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]) and caches[0].abs().sum() > 0
+    with pytest.raises(IndexError):
+        cpu_ops.write_kv(k, v, caches[0], caches[1], torch.tensor([5, 1, 0, 20]))

@@ -177,6 +177,9 @@ class CausalLM(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids)
+        step = self._cpu_step()
+        if step is not None and step.applies(meta, hidden, kv_caches):
+            return step(hidden, positions, kv_caches, meta)  # the same layers, in one compiled call
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta)
@@ -184,6 +187,15 @@ class CausalLM(nn.Module):
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _cpu_step(self):
+        """The compiled decode step for this model (built on first use, after the weights are
+        loaded and packed), or None where it does not apply."""
+        if not hasattr(self, "_step"):
+            from services.worker.model.cpu_step import CpuDecodeStep
+
+            self._step = CpuDecodeStep.build(self)
+        return self._step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[N, H] -> logits[N, vocab_size] float32 over the full vocabulary."""

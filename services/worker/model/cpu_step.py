@@ -1,0 +1,129 @@
+"""The decode forward of a packed model in one compiled call (kernels/csrc/decode_step.c).
+
+At batch 1 on CPU the Python forward spends as much time dispatching ~300 small calls per step
+as the matmuls take; `CpuDecodeStep` hands the layer loop to C instead, for the steps where
+every token decodes. It reads the model's own parameters and packed weights (nothing copied)
+and runs the same kernels in the same order, so its hidden states equal the Python path's bit
+for bit: prefill and mixed steps, GPUs, tensor parallelism, float (unpacked) linears and
+machines without the compiled kernels stay on the Python path.
+
+``ZEROSERVE_CPU_STEP=0`` turns it off (to measure what it saves).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from kernels import AttentionMetadata, cpu_native
+from kernels.quant import QuantizedWeight
+
+# word layout of decode_step.c's descriptor
+G_WORDS, LIN_WORDS, L_WORDS = 15, 8, 38
+L_IN_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_K_CACHE, L_V_CACHE = range(32, 38)
+
+
+def _turned_off() -> bool:
+    return os.environ.get("ZEROSERVE_CPU_STEP", "1").lower() in ("0", "false", "no", "off")
+
+
+def _fn(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def _lin(qw: QuantizedWeight | None, bias: torch.Tensor | None) -> list[int]:
+    fmt, w, w_stride, sc, mn, s_stride, group = qw._kargs
+    return [fmt, w, w_stride, sc or 0, mn or 0, s_stride, group, bias.data_ptr() if bias is not None else 0]
+
+
+class CpuDecodeStep:
+    """Built by `build(model)` when the model qualifies; `applies` says whether a step does."""
+
+    def __init__(self, model, step_lib: ctypes.CDLL) -> None:
+        cfg = model.cfg
+        self.model, self.lib = model, step_lib
+        a0 = model.layers[0].self_attn if model.num_layers else None
+        self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, model.head_dim
+        self.hidden = cfg.hidden_size
+        cos_sin = model.rotary.cos_sin_cache
+        self._keep = [cos_sin]
+        g = [model.num_layers, cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+             cfg.intermediate_size, cos_sin.shape[1], cos_sin.shape[0], cos_sin.data_ptr(), int(cfg.qk_norm),
+             model.norm.weight.data_ptr(), _fn(cpu_native.quant_lib(), "zs_qmatmul_f32"),
+             _fn(cpu_native.decode_lib(), "zs_paged_decode_f32"), 0, 0]
+        assert len(g) == G_WORDS
+        self.g = torch.tensor(g, dtype=torch.int64)
+        self.f = torch.tensor([cfg.rms_norm_eps, a0.scale if a0 is not None else 1.0], dtype=torch.float32)
+        rows = []
+        for layer in model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            row = (_lin(at.qkv_proj.qweight, at.qkv_proj.bias) + _lin(at.o_proj.qweight, at.o_proj.bias)
+                   + _lin(mlp.gate_up_proj.qweight, None) + _lin(mlp.down_proj.qweight, None))
+            row += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                    at.q_norm.weight.data_ptr() if at.qk_norm else 0,
+                    at.k_norm.weight.data_ptr() if at.qk_norm else 0, 0, 0]
+            assert len(row) == L_WORDS
+            rows.append(row)
+        self.layers = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), L_WORDS)
+        self._caches_key = None
+
+    @classmethod
+    def build(cls, model) -> CpuDecodeStep | None:
+        """The step for `model`, or None when it does not qualify (see the module docstring)."""
+        from kernels import cpu_ops
+
+        if (_turned_off() or model.ops is not cpu_ops or model.device.type != "cpu" or model.dtype != torch.float32
+                or model.tp.size != 1):
+            return None
+        for layer in model.layers:
+            mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if any(m.qweight is None or (m.bias is not None and m.bias.dtype != torch.float32) for m in mods):
+                return None
+        lib = cpu_native.step_lib()
+        if lib is None or cpu_native.quant_lib() is None or cpu_native.decode_lib() is None:
+            return None
+        probe_q = torch.empty(1, model.num_heads, model.head_dim)
+        probe_k = torch.empty(1, 1, model.num_kv_heads, model.head_dim)
+        if not cpu_native.supports(probe_q, probe_k):  # GQA group or head_dim past the kernel's limits
+            return None
+        return cls(model, lib)
+
+    def applies(self, meta: AttentionMetadata, hidden: torch.Tensor, kv_caches) -> bool:
+        """Every row one decode token of its own request, fp32 caches the kernels can read."""
+        t = hidden.shape[0]
+        if meta.max_query_len > 1 or meta.block_tables.shape[0] != t or t == 0 or not hidden.is_contiguous():
+            return False
+        k0 = kv_caches[0][0] if kv_caches else None
+        return k0 is None or (k0.dtype == torch.float32 and k0.is_contiguous())
+
+    def _bind_caches(self, kv_caches) -> None:
+        key = (id(kv_caches), tuple(kv_caches[0][0].shape)) if kv_caches else None
+        if key == self._caches_key:
+            return
+        if kv_caches:
+            for i, (k, v) in enumerate(kv_caches):
+                if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape:
+                    raise ValueError("the paged KV cache must be contiguous, K and V alike")
+                self.layers[i, L_K_CACHE] = k.data_ptr()
+                self.layers[i, L_V_CACHE] = v.data_ptr()
+            nb, bs = kv_caches[0][0].shape[:2]
+            self.g[13], self.g[14] = bs, nb * bs
+        self._caches_key = key
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+        """hidden [T, H] token embeddings -> final-normed hidden states (in place)."""
+        self._bind_caches(kv_caches)
+        t = hidden.shape[0]
+        pos = positions.long().contiguous()
+        slots = meta.slot_mapping.long().contiguous()
+        bt = meta.block_tables.to(torch.int32).contiguous()
+        sl = meta.seq_lens.to(torch.int32).contiguous()
+        rc = self.lib.zs_decode_step_f32(self.g.data_ptr(), self.f.data_ptr(), self.layers.data_ptr(),
+                                         hidden.data_ptr(), pos.data_ptr(), slots.data_ptr(), bt.data_ptr(),
+                                         bt.stride(0), sl.data_ptr(), t, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"decode step kernel failed (rc {rc}): a position past the rotary table, "
+                             "a slot past the KV cache, or out of memory")
+        return hidden
