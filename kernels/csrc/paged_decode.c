@@ -142,3 +142,19 @@ int zs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
     }
     return 0;
 }
+
+/* Thread `id`'s share of the (request, kv head) tasks for a caller that runs its own team of
+ * `threads` (csrc/decode_step.c); every task is computed the same way whichever thread runs it. */
+int zs_paged_decode_f32_part(const float *q, const float *k_cache, const float *v_cache,
+                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                             float *out, int B, int Hq, int Hk, int D, int BS, float scale, int threads, int id) {
+    if (Hk <= 0 || Hq % Hk != 0 || Hq / Hk > MAX_GROUP || D > MAX_DIM || BS <= 0) return -1;
+    const int grp = Hq / Hk;
+    for (int64_t task = id; task < (int64_t)B * Hk; task += threads) {
+        const int b = (int)(task / Hk), hk = (int)(task % Hk);
+        const int64_t off = ((int64_t)b * Hq + (int64_t)hk * grp) * D;
+        decode_one(q + off, k_cache, v_cache, block_tables + b * bt_stride, seq_lens[b], out + off,
+                   hk, Hk, D, BS, grp, scale);
+    }
+    return 0;
+}

@@ -350,39 +350,89 @@ static void run(const job_t *j, int id, int cnt) {
     }
 }
 
-/* y[t * ldy + n] = sum_k x[t * ldx + k] * w[n, k] for t < T, n < N.
- * w: row n at w + n * w_stride bytes; scales / mins (INT8, INT4): row n at + n * s_stride floats.
- * Returns 0, -1 for arguments the format does not allow, -2 when out of memory. */
-int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
-                   int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
-                   int T, int N, int K, int threads) {
+/* Checks the arguments; returns the group shift (group = 32 << shift) or -1. */
+static int check_args(int fmt, const float *scales, const float *mins, int group, int T, int N, int K) {
     if (fmt < 0 || fmt >= F_COUNT || T < 0 || N < 0 || K < 0 || K % 32 != 0) return -1;
     if (fmt == F_Q4_K && K % 256 != 0) return -1;
     int gshift = 0;
     while (gshift < 24 && (32 << gshift) < group) gshift++;
     if ((fmt == F_INT8 || fmt == F_INT4) && ((32 << gshift) != group || scales == NULL)) return -1;
     if (fmt == F_INT4 && mins == NULL) return -1;
+    return gshift;
+}
+
+/* Threads worth using: at most `threads`, one per output row, MIN_WORK multiply-adds each. */
+static int team_size(int T, int N, int K, int threads) {
+    const int64_t work = (int64_t)T * N * K;
+    int nt = threads < 1 ? 1 : threads;
+    if (nt > N) nt = N;
+    if (work / MIN_WORK < nt) nt = (int)(work / MIN_WORK) > 1 ? (int)(work / MIN_WORK) : 1;
+    return nt;
+}
+
+/* Lane sums of x's chunks (formats with an offset): sx[t * sxs + c * VW ...] = lanesum32(chunk c of row t). */
+static void lane_sums(const float *x, int64_t ldx, int T, int64_t nch, float *sx, int64_t sxs) {
+    for (int t = 0; t < T; t++)
+        for (int64_t c = 0; c < nch; c++) {
+            const vf v = lanesum32(x + t * ldx + 32 * c);
+            memcpy(sx + t * sxs + c * VW, &v, sizeof v);
+        }
+}
+
+#define SX_STACK 512  /* chunks of lane sums kept on the stack (16-32 KiB) */
+
+/* One thread's share (thread `id` of a team of `threads`) of the matmul below, for callers that
+ * run their own team (csrc/decode_step.c: one team per step, not one per matmul). The shares of
+ * ids 0 .. threads-1 together give exactly the result of zs_qmatmul_f32 with `threads`. */
+int zs_qmatmul_f32_part(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
+                        int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
+                        int T, int N, int K, int threads, int id) {
+    const int gshift = check_args(fmt, scales, mins, group, T, N, K);
+    if (gshift < 0) return -1;
+    if (T == 0 || N == 0) return 0;
+    const int nt = team_size(T, N, K, threads);
+    if (id >= nt) return 0;
+    if (K == 0) {
+        const int n0 = (int)((int64_t)N * id / nt), n1 = (int)((int64_t)N * (id + 1) / nt);
+        for (int t = 0; t < T; t++) memset(y + t * ldy + n0, 0, sizeof(float) * (n1 - n0));
+        return 0;
+    }
+    const int64_t nch = K / 32, sxs = nch * VW;
+    vf sx_stack[SX_STACK];
+    float *sx = NULL;
+    if (asym(fmt)) {  /* each thread its own (identical) copy: cheaper than a barrier */
+        sx = T * nch <= SX_STACK ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
+        if (sx == NULL) return -2;
+        lane_sums(x, ldx, T, nch, sx, sxs);
+    }
+    const job_t job = {fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y};
+    run(&job, id, nt);
+    if (sx != (float *)sx_stack) free(sx);
+    return 0;
+}
+
+/* y[t * ldy + n] = sum_k x[t * ldx + k] * w[n, k] for t < T, n < N.
+ * w: row n at w + n * w_stride bytes; scales / mins (INT8, INT4): row n at + n * s_stride floats.
+ * Returns 0, -1 for arguments the format does not allow, -2 when out of memory. */
+int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
+                   int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
+                   int T, int N, int K, int threads) {
+    const int gshift = check_args(fmt, scales, mins, group, T, N, K);
+    if (gshift < 0) return -1;
     if (T == 0 || N == 0) return 0;
     if (K == 0) {
         for (int t = 0; t < T; t++) memset(y + t * ldy, 0, sizeof(float) * N);
         return 0;
     }
-    const int64_t work = (int64_t)T * N * K;
-    int nt = threads < 1 ? 1 : threads;
-    if (nt > N) nt = N;
-    if (work / MIN_WORK < nt) nt = (int)(work / MIN_WORK) > 1 ? (int)(work / MIN_WORK) : 1;
+    const int nt = team_size(T, N, K, threads);
     /* lane sums of x's chunks for the formats with an offset: one pass over x, before the threads */
     const int64_t nch = K / 32, sxs = nch * VW;
-    vf sx_stack[512];
+    vf sx_stack[SX_STACK];
     float *sx = NULL;
     if (asym(fmt)) {
-        sx = T * nch <= 512 ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
+        sx = T * nch <= SX_STACK ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
         if (sx == NULL) return -2;
-        for (int t = 0; t < T; t++)
-            for (int64_t c = 0; c < nch; c++) {
-                const vf v = lanesum32(x + t * ldx + 32 * c);
-                memcpy(sx + t * sxs + c * VW, &v, sizeof v);
-            }
+        lane_sums(x, ldx, T, nch, sx, sxs);
     }
     const job_t job = {fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y};
     if (nt == 1) {

@@ -51,8 +51,8 @@ class CpuDecodeStep:
         self._keep = [cos_sin]
         g = [model.num_layers, cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
              cfg.intermediate_size, cos_sin.shape[1], cos_sin.shape[0], cos_sin.data_ptr(), int(cfg.qk_norm),
-             model.norm.weight.data_ptr(), _fn(cpu_native.quant_lib(), "zs_qmatmul_f32"),
-             _fn(cpu_native.decode_lib(), "zs_paged_decode_f32"), 0, 0]
+             model.norm.weight.data_ptr(), _fn(cpu_native.quant_lib(), "zs_qmatmul_f32_part"),
+             _fn(cpu_native.decode_lib(), "zs_paged_decode_f32_part"), 0, 0]
         assert len(g) == G_WORDS
         self.g = torch.tensor(g, dtype=torch.int64)
         self.f = torch.tensor([cfg.rms_norm_eps, a0.scale if a0 is not None else 1.0], dtype=torch.float32)
