@@ -161,6 +161,9 @@ def bind_quant(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.zs_qmatmul_f32
     f.restype = I
     f.argtypes = [I, P, I64, P, P, I64, I, P, I64, P, I64, I, I, I, I]
+    g = lib.zs_dequantize_f32
+    g.restype = I
+    g.argtypes = [I, P, I64, P, P, I64, I, P, I64, I, I, I]
     lib.zs_qm_isa.restype = I
     lib.isa = {2: "avx512", 1: "avx2"}.get(lib.zs_qm_isa(), "portable")
     return lib

@@ -54,6 +54,11 @@ _FORMATS = {
     "int4": (5, 32, 16),
 }
 FORMATS = tuple(_FORMATS)
+# rows of x from which QuantizedWeight.linear multiplies the dequantized weight with a float GEMM
+# instead of the packed kernel: measured crossover 48-64 rows on 2 AVX2 cores (SmolLM2 shapes, C
+# dequantize ~3 ms for 3072x576, MKL sgemm ~100 GFLOP/s vs the kernel's ~55); the two
+# round differently, so a request's numerics depend on whether its step had this many rows
+FLOAT_MATMUL_MIN_ROWS = 64
 # GGMLQuantizationType values (ggml.h) of the GGUF types we read
 GGML_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k"}
 _GGML_NAMES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
@@ -199,7 +204,19 @@ class QuantizedWeight:
     # --- numerics -----------------------------------------------------------------------------
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as float [N, K]: the format's exact values (the torch twin's weight)."""
+        """The weight as float [N, K]: the format's exact values (compiled for CPU tensors when
+        the kernels are built, else the torch twin; the two are equal bit for bit)."""
+        lib = cpu_native.quant_lib() if self.data.is_cpu else None
+        if lib is None:
+            return self.dequantize_twin(dtype)
+        n, k = self.shape
+        out = torch.empty((n, k), dtype=torch.float32)
+        if n and k and lib.zs_dequantize_f32(*self._kargs, out.data_ptr(), k, n, k, torch.get_num_threads()) != 0:
+            raise ValueError(f"dequantize rejected {self!r}")
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def dequantize_twin(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as float [N, K] in torch ops: the reference for the compiled kernels."""
         n, k = self.shape
         fmt, d = self.format, self.data
         if fmt in ("int8", "int4"):
@@ -235,6 +252,10 @@ class QuantizedWeight:
         lib = cpu_native.quant_lib() if x.is_cpu else None
         if lib is None:
             return F.linear(x, self.dequantize(x.dtype).to(x.device), bias)
+        if x.numel() >= FLOAT_MATMUL_MIN_ROWS * self.shape[1]:
+            # many rows (prefill): a float GEMM on the dequantized weight runs ~2x the packed
+            # kernel's FLOP rate, and unpacking once is cheap next to it (benchmarks/quant_matmul.py)
+            return F.linear(x, self.dequantize(x.dtype), bias)
         y = kernel_linear(lib, self, x if x.dtype == torch.float32 else x.float())
         if bias is not None:
             y += bias.float()

@@ -180,6 +180,20 @@ def test_rows_cols_threads_and_batch_invariance(fmt):
 
 
 @native
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_compiled_dequantize_is_the_twin_and_many_rows_use_it(fmt):
+    for n, k, group in ((1, 256, 32), (70, 512, 64), (33, 768, 128)):
+        qw = make_weight(fmt, n, k, seed=n + k, group=group)
+        assert torch.equal(qw.dequantize(), qw.dequantize_twin()), (n, k, group)
+        assert torch.equal(qw.dequantize(torch.bfloat16), qw.dequantize_twin(torch.bfloat16))
+    # from FLOAT_MATMUL_MIN_ROWS rows on: a float GEMM on the dequantized weight (bias inside)
+    x = torch.randn(quant.FLOAT_MATMUL_MIN_ROWS, 768, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(33)
+    assert torch.equal(qw.linear(x, bias), F.linear(x, qw.dequantize_twin(), bias))
+    check_close(qw.linear(x[:-1]), x[:-1], qw.dequantize())  # one row fewer: the packed kernel
+
+
+@native
 def test_linear_shapes_dtypes_bias_and_views():
     qw = make_weight("q4_k", 40, 256, seed=2)
     x = torch.randn(2, 3, 300)[..., 10:266]  # a strided view, leading dims

@@ -4,8 +4,9 @@ At batch 1 on CPU the Python forward spends as much time dispatching ~300 small 
 as the matmuls take; `CpuDecodeStep` hands the layer loop to C instead, for the steps where
 every token decodes. It reads the model's own parameters and packed weights (nothing copied)
 and runs the same kernels in the same order, so its hidden states equal the Python path's bit
-for bit: prefill and mixed steps, GPUs, tensor parallelism, float (unpacked) linears and
-machines without the compiled kernels stay on the Python path.
+for bit: prefill and mixed steps, decode batches of FLOAT_MATMUL_MIN_ROWS or more (float GEMMs
+win there), GPUs, tensor parallelism, float (unpacked) linears and machines without the
+compiled kernels stay on the Python path.
 
 ``ZEROSERVE_CPU_STEP=0`` turns it off (to measure what it saves).
 """
@@ -18,7 +19,7 @@ import os
 import torch
 
 from kernels import AttentionMetadata, cpu_native
-from kernels.quant import QuantizedWeight
+from kernels.quant import FLOAT_MATMUL_MIN_ROWS, QuantizedWeight
 
 # word layout of decode_step.c's descriptor
 G_WORDS, LIN_WORDS, L_WORDS = 15, 8, 38
@@ -94,6 +95,8 @@ class CpuDecodeStep:
         """Every row one decode token of its own request, fp32 caches the kernels can read."""
         t = hidden.shape[0]
         if meta.max_query_len > 1 or meta.block_tables.shape[0] != t or t == 0 or not hidden.is_contiguous():
+            return False
+        if t >= FLOAT_MATMUL_MIN_ROWS:  # big batches: the Python path's float GEMMs are faster
             return False
         k0 = kv_caches[0][0] if kv_caches else None
         return k0 is None or (k0.dtype == torch.float32 and k0.is_contiguous())
