@@ -1,7 +1,8 @@
 """Decode speed of quantized weights on SmolLM2-135M-Instruct: batch 1 and 8 / 32 concurrent requests.
 
 For each weight format (fp32 = the GGUF dequantized at load, quantization="none"; q4_1 = the
-file's Q4_1 linears + Q8_0 tied embedding kept packed, the default; int8 = requantized at load):
+file's Q4_1 linears + Q8_0 tied embedding kept packed, the default; q4_1-layers = the same with
+the compiled decode step off, each layer's ops called from Python; int8 = requantized at load):
 
 - batch 1: one request (a ~10-token prompt), 128 generated tokens, greedy, ignore_eos, through
   the in-process engine (`LLM(...).engine`, stepped one step at a time): ms per generated token
@@ -40,7 +41,10 @@ from benchmarks.common import (  # noqa: E402
     set_threads,
 )
 
-FORMATS = {"fp32": "none", "q4_1": None, "int8": "int8"}  # label -> load_model(quantization=...)
+# label -> load_model(quantization=...); "q4_1-layers": q4_1 with the compiled decode step off
+# (csrc/decode_step.c), so each layer's ops are called from Python: what the step saves
+FORMATS = {"fp32": "none", "q4_1": None, "q4_1-layers": None, "int8": "int8"}
+STEP_OFF = {"q4_1-layers"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "import numpy as np", "Water boils at", "My favourite book is",
            "The quick brown fox"]
@@ -153,6 +157,7 @@ def main(argv=None) -> int:
     for label in labels:
         llm = make_llm(model, FORMATS[label], num_kv_blocks=max(64, 12 * max(conc, default=1)))
         runner = llm.engine.runner
+        runner.model.set_cpu_step(label not in STEP_OFF)
         wbytes = runner.param_bytes()
         tok = llm.tokenizer
         ids = [tok.encode(p) for p in PROMPTS]

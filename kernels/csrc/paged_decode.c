@@ -70,6 +70,61 @@ static inline float exp_neg(float x) {
     return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VEC8 1
+/* lane j = the horizontal sum of v[j] */
+static inline __m256 hsum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v4, v5), _mm256_hadd_ps(v6, v7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+/* s[i] = q . k[i] for i < n, eight keys at a time: each key row is loaded once per query, the
+ * eight sums reduced together (one reduction per key was most of the cost). D % 8 == 0. */
+static inline void scores8(const float *restrict q, const float *const *k, int n, int D, float *restrict s) {
+    for (int i = 0; i < n; i += 8) {
+        const float *kp[8];
+        for (int j = 0; j < 8; j++) kp[j] = k[i + j < n ? i + j : n - 1];
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[0] + d), qv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[1] + d), qv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[2] + d), qv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[3] + d), qv, a3);
+            a4 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[4] + d), qv, a4);
+            a5 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[5] + d), qv, a5);
+            a6 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[6] + d), qv, a6);
+            a7 = _mm256_fmadd_ps(_mm256_loadu_ps(kp[7] + d), qv, a7);
+        }
+        float r[8];
+        _mm256_storeu_ps(r, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+        for (int j = 0; j < 8 && i + j < n; j++) s[i + j] = r[j];
+    }
+}
+
+/* acc[d] += sum_i p[i] * v[i][d]: 64 columns at a time held in registers over all n keys. */
+static inline void weighted_sum8(float *restrict acc, const float *const *v, const float *restrict p, int n, int D) {
+    int d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
+        for (int i = 0; i < n; i++) {
+            const __m256 pi = _mm256_set1_ps(p[i]);
+            const float *vi = v[i] + d0;
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(vi + 8 * j), pi, a[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
+    }
+    for (; d0 < D; d0 += 8) {
+        __m256 a = _mm256_loadu_ps(acc + d0);
+        for (int i = 0; i < n; i++) a = _mm256_fmadd_ps(_mm256_loadu_ps(v[i] + d0), _mm256_set1_ps(p[i]), a);
+        _mm256_storeu_ps(acc + d0, a);
+    }
+}
+#endif
+
 /* Attention of the `grp` query heads that share kv head `hk`, for one request. */
 static void decode_one(const float *restrict q, const float *restrict kc, const float *restrict vc,
                        const int32_t *restrict table, int seq_len, float *restrict out,
@@ -89,9 +144,24 @@ static void decode_one(const float *restrict q, const float *restrict kc, const 
             const int t = t0 + i;
             k[i] = kc + ((int64_t)table[t / BS] * BS + t % BS) * row + (int64_t)hk * D;
         }
+        /* the next chunk's K and V rows, requested now: blocks are scattered, so the hardware
+         * prefetcher loses the stream at every block edge (measured: ~2x on long contexts) */
+        for (int t = t0 + CHUNK, te = t0 + 2 * CHUNK < seq_len ? t0 + 2 * CHUNK : seq_len; t < te; t++) {
+            const int64_t off = ((int64_t)table[t / BS] * BS + t % BS) * row + (int64_t)hk * D;
+            for (int d = 0; d < D; d += 16) {
+                __builtin_prefetch(kc + off + d);
+                __builtin_prefetch(vc + off + d);
+            }
+        }
         for (int g = 0; g < grp; g++) {
             const float *qg = q + (int64_t)g * D;
             int i = 0;
+#ifdef VEC8
+            if (D % 8 == 0) {
+                scores8(qg, k, n, D, s[g]);
+                i = n;
+            }
+#endif
             for (; i + 4 <= n; i += 4) dot4(qg, k[i], k[i + 1], k[i + 2], k[i + 3], D, &s[g][i]);
             for (; i < n; i++) s[g][i] = dot(qg, k[i], D);
             for (i = 0; i < n; i++) s[g][i] *= scale;
@@ -110,15 +180,20 @@ static void decode_one(const float *restrict q, const float *restrict kc, const 
             }
             l[g] += sum;
         }
-        for (int i = 0; i < n; i++) {
-            const int t = t0 + i;
-            const float *v = vc + ((int64_t)table[t / BS] * BS + t % BS) * row + (int64_t)hk * D;
+        const float *v[CHUNK];
+        for (int i = 0; i < n; i++) v[i] = k[i] - kc + vc;  /* V sits where K sits, in its own cache */
+#ifdef VEC8
+        if (D % 8 == 0) {
+            for (int g = 0; g < grp; g++) weighted_sum8(acc[g], v, s[g], n, D);
+            continue;
+        }
+#endif
+        for (int i = 0; i < n; i++)
             for (int g = 0; g < grp; g++) {
                 const float p = s[g][i];
                 float *restrict a = acc[g];
-                for (int d = 0; d < D; d++) a[d] += p * v[d];
+                for (int d = 0; d < D; d++) a[d] += p * v[i][d];
             }
-        }
     }
     for (int g = 0; g < grp; g++) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;

@@ -188,6 +188,14 @@ class CausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def set_cpu_step(self, enabled: bool) -> None:
+        """Use the compiled decode step where it applies (the default), or always the layers
+        here (to measure what the step saves; like ZEROSERVE_CPU_STEP=0 for one model)."""
+        if enabled:
+            self.__dict__.pop("_step", None)  # rebuilt on the next forward
+        else:
+            self._step = None
+
     def _cpu_step(self):
         """The compiled decode step for this model (built on first use, after the weights are
         loaded and packed), or None where it does not apply."""
