@@ -9,22 +9,32 @@ straight through `AsyncClient` (`--direct`), so the gateway's overhead shows in 
 Workload: random token-id prompts (the `random` dataset of vllm bench: input and output lengths
 uniform in [len * (1 - range_ratio), len * (1 + range_ratio)], fixed `--seed`), sent as
 streaming completions with ignore_eos (so every request generates its output length), Poisson
-arrivals at `--request-rate` (inf = all at once) under `--max-concurrency`. The SSE stream is
-parsed by hand (httpx): TTFT = first content chunk, ITL = gaps between chunks, TPOT = (E2E -
-TTFT) / (output tokens - 1), E2E = the whole request; output tokens come from the final usage.
+arrivals at `--request-rate` (inf = all at once) under `--max-concurrency`. Every SSE event is
+parsed: TTFT = first content event, ITL = gaps between events, TPOT = (E2E - TTFT) / (output
+tokens - 1), E2E = the whole request; output tokens come from the final usage.
+
+The HTTP client is a small keep-alive HTTP/1.1 client on uvloop with httptools' parser (what
+uvicorn parses with), not httpx: httpx spent 233 us of CPU per streamed event here, more than
+the gateway itself, and on a small box that CPU is taken from the server being measured
+(vLLM's benchmark uses aiohttp for the same reason). Before the clock starts, one request asks
+for logprobs (a server that loads its tokenizer lazily, as ours does in the background, has it
+then), and `--num-warmups` short requests at the workload's concurrency warm the server up.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
+import ssl
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
@@ -73,36 +83,231 @@ def make_workload(n: int, input_len: int, output_len: int, range_ratio: float, s
 
 
 # ------------------------------------------------------------------------------------ clients
-async def http_one(client, url: str, model: str, r: Req, api_key: str | None) -> Result:
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection. httptools parses the response (chunked or not); the
+    body is split into SSE events (blank-line separated) as it arrives, and a 200 response's
+    events go to `on_event` right there, in the protocol callback: no task switch per event."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self._parser_cls, self._parse_error = httptools.HttpResponseParser, httptools.HttpParserError
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self._waiter: asyncio.Future | None = None
+        self.reset()
+
+    def reset(self, on_event=None) -> None:
+        self.on_event = on_event
+        self.parser = self._parser_cls(self)
+        self.status = 0
+        self.events: collections.deque[bytes] = collections.deque()
+        self.tail = b""
+        self.complete = False
+        self.error: BaseException | None = None
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except self._parse_error as e:
+            self.error = e
+            self.transport.close()
+            self._wake()
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if not self.complete and self.error is None:
+            self.error = exc or ConnectionResetError("the server closed the connection")
+        self._wake()
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        buf = self.tail + body
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        *done, self.tail = buf.split(b"\n\n")
+        if done:
+            self._deliver(done)
+
+    def on_message_complete(self) -> None:
+        if self.tail.strip():
+            self._deliver([self.tail])  # a plain body, or a last event without its blank line
+            self.tail = b""
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    def _deliver(self, events: list[bytes]) -> None:
+        if self.on_event is None or self.status != 200:
+            self.events.extend(events)
+            self._wake()
+            return
+        try:
+            for ev in events:
+                self.on_event(ev)
+        except Exception as e:  # noqa: BLE001 - the request fails with it
+            self.error = e
+            self.transport.close()
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def wait_status(self) -> int:
+        while not self.status and self.error is None:
+            await self._wait()
+        if not self.status:
+            raise self.error
+        return self.status
+
+    async def next_event(self) -> bytes | None:
+        """The next SSE event (or body part); None at the end of the response."""
+        while not self.events:
+            if self.complete:
+                return None
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+        return self.events.popleft()
+
+    async def finish(self) -> None:
+        """Until the response is complete (its events went to `on_event`)."""
+        while not self.complete:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+        if self.error is not None:
+            raise self.error
+
+    async def body(self) -> bytes:
+        parts = []
+        while (ev := await self.next_event()) is not None:
+            parts.append(ev)
+        return b"\n\n".join(parts)
+
+
+class HTTPClient:
+    """Keep-alive connections to one server (http:// or https://), reused request after request."""
+
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+        u = urlsplit(base_url)
+        if u.scheme not in ("http", "https"):
+            raise SystemExit(f"--base-url must be http:// or https://, got {base_url!r}")
+        self.host, self.prefix = u.hostname or "127.0.0.1", u.path.rstrip("/")
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if u.scheme == "https" else None
+        netloc = u.netloc.rpartition("@")[2]
+        self.head = f"Host: {netloc}\r\nUser-Agent: zeroserve-bench\r\nAccept: */*\r\n"
+        if api_key:
+            self.head += f"Authorization: Bearer {api_key}\r\n"
+        self.idle: list[_Conn] = []
+
+    async def request(self, method: str, path: str, body: bytes | None = None, on_event=None) -> _Conn:
+        """Send a request; the connection it went on, once the status came (give it back with
+        `release`). A 200 response's SSE events go to `on_event` as they arrive."""
+        data = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self.head}"
+        if body is not None:
+            data += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        data = (data + "\r\n").encode("latin-1") + (body or b"")
+        while self.idle:  # a kept connection the server closed meanwhile fails before any status: retry
+            conn = self.idle.pop()
+            if conn.lost:
+                continue
+            conn.reset(on_event)
+            conn.transport.write(data)
+            try:
+                await conn.wait_status()
+                return conn
+            except OSError:
+                conn.transport.close()
+        _, conn = await asyncio.get_running_loop().create_connection(_Conn, self.host, self.port, ssl=self.ssl)
+        conn.on_event = on_event
+        conn.transport.write(data)
+        await conn.wait_status()
+        return conn
+
+    def release(self, conn: _Conn) -> None:
+        if conn.complete and conn.keep_alive and not conn.lost:
+            self.idle.append(conn)
+        else:
+            conn.transport.close()
+
+    async def get_json(self, path: str) -> dict:
+        conn = await self.request("GET", path)
+        try:
+            body = await conn.body()
+            if conn.status != 200:
+                raise RuntimeError(f"GET {path}: HTTP {conn.status}: {body[:200]!r}")
+            return json.loads(body)
+        finally:
+            self.release(conn)
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.transport.close()
+        self.idle.clear()
+
+
+async def http_one(client: HTTPClient, model: str, r: Req, logprobs: int | None = None) -> Result:
+    import msgspec
+
     body = {"model": model, "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    payload = json.dumps(body).encode()
+    decode = msgspec.json.decode
     res = Result(prompt_len=len(r.prompt))
-    t0 = time.perf_counter()
     chunks = 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if obj.get("usage"):
-                    res.output_tokens = obj["usage"]["completion_tokens"]
-                if not obj.get("choices"):
-                    continue
+
+    def on_event(ev: bytes) -> None:
+        nonlocal chunks
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            obj = decode(data)
+            if obj.get("usage"):
+                res.output_tokens = obj["usage"]["completion_tokens"]
+            if obj.get("choices"):
                 res.chunk(t0)
                 chunks += 1
+
+    t0 = time.perf_counter()
+    conn = None
+    try:
+        conn = await client.request("POST", "/v1/completions", payload, on_event)
+        if conn.status != 200:
+            res.error = f"HTTP {conn.status}: {(await conn.body())[:200]!r}"
+            return res
+        await conn.finish()
         res.e2e = time.perf_counter() - t0
         res.output_tokens = res.output_tokens or chunks
         res.ok = True
     except Exception as e:  # noqa: BLE001 - counted as a failed request
         res.error = f"{type(e).__name__}: {e}"
+    finally:
+        if conn is not None:
+            client.release(conn)
     return res
 
 
@@ -155,7 +360,7 @@ def summarize(results: list[Result], duration: float, label: str) -> dict:
         if not xs:
             return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
         return {f"mean_{name}_ms": statistics.fmean(xs), f"median_{name}_ms": statistics.median(xs),
-                f"p99_{name}_ms": xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]}
+                f"p99_{name}_ms": xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]}
 
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {"mode": label, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
@@ -236,31 +441,48 @@ def cpu_per_token(before: dict, after: dict, tokens: int) -> str:
 
 
 async def main_async(args, base_url: str | None, direct: str | None, children=None) -> list[dict]:
-    import httpx
-
     def work_for(mode: str) -> list[Req]:
         return make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
                              args.vocab, salt=mode)
+    def warmups() -> list[Req]:
+        """The workload's prompt lengths at its concurrency, a few tokens each, so the first
+        phase does not pay for the server's first batches of that size. (On SmolLM2 the first
+        phase still ran ~5-10% slower, whichever path it was: HTTP first 0.90-0.91, direct
+        first 1.02; the worker's CPU per token was the part that moved.)"""
+        n = args.num_warmups
+        if n is None:
+            n = min(args.num_prompts, args.max_concurrency or args.num_prompts)
+        return make_workload(n, args.input_len, min(args.output_len, 8), args.range_ratio, args.seed, args.vocab,
+                             salt="warmup")
+
     out = []
     if base_url:
-        limits = httpx.Limits(max_connections=max(args.max_concurrency or 0, args.num_prompts) + 8,
-                              max_keepalive_connections=args.max_concurrency or 64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-            model = args.model
-            if not model:
-                model = (await client.get(base_url + "/v1/models")).json()["data"][0]["id"]
-            await http_one(client, base_url, model, Req([11, 12, 13], 2), args.api_key)  # warm-up
+        client = HTTPClient(base_url, args.api_key)
+        try:
+            model = args.model or (await client.get_json("/v1/models"))["data"][0]["id"]
+            warm = await http_one(client, model, Req([11, 12, 13], 2), logprobs=1)
+            if not warm.ok:
+                raise SystemExit(f"warm-up request failed: {warm.error}")
+            res, _ = await run_load(warmups(), lambda r: http_one(client, model, r), float("inf"),
+                                    args.max_concurrency, args.seed)
+            if not all(r.ok for r in res):
+                raise SystemExit(f"warm-up requests failed: {sorted({r.error for r in res if not r.ok})[:3]}")
             cpu0 = cpu_seconds(children)
-            res, dur = await run_load(work_for("http"), lambda r: http_one(client, base_url, model, r, args.api_key),
+            res, dur = await run_load(work_for("http"), lambda r: http_one(client, model, r),
                                       args.request_rate, args.max_concurrency, args.seed)
             out.append(summarize(res, dur, "http"))
             if children:
                 out[-1]["cpu_us_per_token"] = cpu_per_token(cpu0, cpu_seconds(children), out[-1]["total_output_tokens"])
+        finally:
+            client.close()
     if direct:
         from zeroserve import AsyncClient
 
         async with AsyncClient(direct, timeout_s=60.0) as client:
             await direct_one(client, Req([11, 12, 13], 2))
+            if not base_url:  # else the HTTP phase's warm-up warmed the cluster already
+                await run_load(warmups(), lambda r: direct_one(client, r), float("inf"), args.max_concurrency,
+                               args.seed)
             cpu0 = cpu_seconds(children)
             res, dur = await run_load(work_for("direct"), lambda r: direct_one(client, r), args.request_rate,
                                       args.max_concurrency, args.seed)
@@ -268,6 +490,16 @@ async def main_async(args, base_url: str | None, direct: str | None, children=No
             if children:
                 out[-1]["cpu_us_per_token"] = cpu_per_token(cpu0, cpu_seconds(children), out[-1]["total_output_tokens"])
     return out
+
+
+def _run(coro):
+    """uvloop where installed (a dependency; what the gateway runs on): asyncio's own selector
+    loop took ~half of this client's CPU per streamed event."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def main(argv=None) -> int:
@@ -290,6 +522,8 @@ def main(argv=None) -> int:
     ap.add_argument("--request-rate", type=float, default=float("inf"))
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-warmups", type=int, default=None, help="short requests (the workload's prompt "
+                    "lengths, up to 8 tokens out) run before the first phase; default: --max-concurrency of them")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON ('-' = stdout)")
     args = ap.parse_args(argv)
     children = None
@@ -300,7 +534,7 @@ def main(argv=None) -> int:
             print(f"launched {Path(model).name}: {base_url} (gateway), {direct} (scheduler)", flush=True)
         if not base_url and not direct:
             ap.error("give --base-url, --direct or --launch")
-        results = asyncio.run(main_async(args, base_url, direct, children))
+        results = _run(main_async(args, base_url, direct, children))
     finally:
         if children:
             from services.launcher import stop_children
@@ -330,4 +564,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Result", "make_workload", "summarize", "asdict"]
+__all__ = ["Result", "asdict", "make_workload", "summarize"]

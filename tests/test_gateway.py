@@ -104,7 +104,7 @@ def wait_idle(cluster: LocalCluster, timeout: float = 30.0) -> dict:
 
 
 def test_health_models_and_tokenize(env, oai, model_id):
-    c, urls, model = env
+    _c, urls, model = env
     r = httpx.get(urls["main"] + "/health")
     assert r.status_code == 200 and r.json()["groups_ready"] == 1
     assert model_id == model.name
@@ -161,8 +161,8 @@ def test_completion_n2_logprobs_stop_echo(oai, model_id):
 
 
 def test_streaming_completions_sync_and_async(env, oai, model_id):
-    args = dict(model=model_id, prompt="Once upon a time", max_tokens=16, temperature=0,
-                extra_body={"ignore_eos": True})
+    args = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
     whole = oai.completions.create(**args)
     chunks = list(oai.completions.create(stream=True, stream_options={"include_usage": True}, **args))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -299,3 +299,245 @@ def test_abandoned_stream_frees_its_blocks(env, model_id):
     s = wait_idle(c, timeout=30)  # the gateway saw the disconnect and aborted the request
     assert s["groups"][0]["kv_blocks_free"] == KV_BLOCKS
     assert s["tokens_total"] - busy["tokens_total"] < 1000
+
+
+def test_streamed_prompt_lists_keep_their_indices(oai, model_id):
+    """Several prompts in one streaming request: each index's events add up to its plain text."""
+    prompts = [[5, 17, 33, 9], [300, 301, 7, 8, 9], list(range(40, 60))]
+    args = {"model": model_id, "prompt": prompts, "max_tokens": 10, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
+    whole = {ch.index: ch.text for ch in oai.completions.create(**args).choices}
+    texts, finishes = {}, {}
+    chunks = list(oai.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+    assert texts == whole and finishes == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].usage.completion_tokens == 30
+
+
+# ------------------------------------------------------------------------------ the lean path, fake cluster
+# The gateway in-process (uvicorn in a thread) over a fake cluster client: what a real cluster
+# cannot be made to do on cue (a burst of deltas for one stream, a first token that never comes).
+
+
+class FakeStream:
+    """Stands in for AsyncStream: `script` is a list of delta lists, each delivered at once
+    after a short pause, as the real client queues deltas when its consumer is behind (the
+    gateway asks `ready()` as it does an AsyncStream). An empty script never delivers.
+    `aborted` is set when the gateway closes or cancels it before the end."""
+
+    def __init__(self, script: list[list]) -> None:
+        import collections
+        from types import SimpleNamespace
+
+        self._req = SimpleNamespace(queue=collections.deque())
+        self.script = list(script)
+        self.aborted = False
+        self.finished = False
+
+    def ready(self) -> bool:
+        return bool(self._req.queue)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while not self._req.queue:
+            if self.finished or self.aborted:
+                raise StopAsyncIteration
+            if not self.script:  # an empty script: wait until cancelled
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    self.aborted = True
+                    raise
+            await asyncio.sleep(0.02)
+            self._req.queue.extend(self.script.pop(0))
+        d = self._req.queue.popleft()
+        self.finished = d.finish_reason is not None and not self._req.queue and not self.script
+        return d
+
+    async def aclose(self):
+        if not self.finished:
+            self.aborted = True
+
+
+class FakeClient:
+    def __init__(self, scripts: list) -> None:
+        self.scripts = scripts
+        self.streams: list[FakeStream] = []
+        self.generates: list[str] = []  # "cancelled" once a plain request's task is cancelled
+        self.models_calls = 0
+        self.models_delay = 0.05
+
+    def stream(self, prompt, params, request_id=None, request_timeout_s=None):
+        s = FakeStream(self.scripts.pop(0) if self.scripts else [])
+        self.streams.append(s)
+        return s
+
+    stream_chat = stream
+
+    async def generate(self, prompt, params, request_id=None, request_timeout_s=None):
+        self.generates.append("running")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.generates[-1] = "cancelled"
+            raise
+
+    async def models(self):
+        self.models_calls += 1
+        await asyncio.sleep(self.models_delay)
+        return [{"id": "fake", "max_model_len": 64}]
+
+    async def close(self):
+        pass
+
+
+def _delta(text: str, finish: str | None = None, first: bool = False):
+    from zeroserve._request import StreamDelta
+
+    return StreamDelta("r", 0, text, [7], finish_reason=finish, prompt_token_ids=[1, 2, 3] if first else None)
+
+
+@pytest.fixture
+def fake_gateway():
+    """-> (base url, the fake client, the body of every non-empty response body message)."""
+    import threading
+
+    import uvicorn
+
+    from common.config import GatewayArgs
+    from services.gateway.app import create_app
+
+    holder: dict = {}
+    writes: list[bytes] = []
+
+    def factory():
+        holder["client"] = FakeClient(holder.pop("scripts"))
+        return holder["client"]
+
+    app = create_app(GatewayArgs(), client_factory=factory)
+
+    async def recording(scope, receive, send):
+        async def rec(msg):
+            if msg["type"] == "http.response.body" and msg.get("body"):
+                writes.append(msg["body"])
+            await send(msg)
+
+        await app(scope, receive, rec)
+
+    port = free_port_block(1)
+    server = uvicorn.Server(uvicorn.Config(recording, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+
+    thread = threading.Thread(target=server.run, daemon=True)
+
+    def start(scripts: list) -> tuple[str, FakeClient]:
+        holder["scripts"] = scripts
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "the in-process gateway did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}", holder["client"]
+
+    yield start, writes
+    server.should_exit = True
+    if thread.is_alive():
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the in-process gateway did not stop"
+
+
+def test_waiting_deltas_go_out_in_one_write_as_separate_events(fake_gateway):
+    start, writes = fake_gateway
+    burst = [_delta("b"), _delta("c"), _delta("d"), _delta("e", "length")]
+    chat_burst = [_delta("x"), _delta("y", "stop")]
+    url, _ = start([[[_delta("A", first=True)], burst], [[_delta("w", first=True)], chat_burst]])
+    oai = sdk(url)
+    chunks = list(oai.completions.create(model="fake", prompt="p", max_tokens=5, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert [c.choices[0].text for c in chunks if c.choices] == ["A", "b", "c", "d", "e"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == [None] * 4 + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == 3
+    # the first delta went out alone; the burst, the usage event and [DONE] in one write
+    assert len(writes) == 2 and writes[1].count(b"data: ") == 6 and writes[1].endswith(b"data: [DONE]\n\n")
+
+    writes.clear()
+    chat = list(oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
+                                            stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].delta.content for c in chat[1:]] == ["w", "x", "y"]
+    assert chat[-1].choices[0].finish_reason == "stop"
+    assert len(writes) == 2 and writes[1].count(b"data: ") == 3
+
+
+def test_benchmark_client_reads_every_event_and_reuses_its_connection(fake_gateway):
+    from benchmarks.serve import HTTPClient, Req, http_one
+
+    start, _ = fake_gateway
+    url, _ = start([[[_delta("A", first=True)], [_delta("b"), _delta("c", "length")]],
+                    [[_delta("A", first=True)], [_delta("b", "length")]]])
+
+    async def run():
+        client = HTTPClient(url)
+        try:
+            one = await http_one(client, "fake", Req([1, 2, 3], 3))
+            conn = client.idle[0]
+            two = await http_one(client, "fake", Req([1, 2, 3], 2))
+            assert client.idle == [conn]  # kept alive and reused
+            return one, two
+        finally:
+            client.close()
+
+    one, two = asyncio.run(run())
+    assert one.ok and one.output_tokens == 3 and len(one.itl) == 2  # 3 content events
+    assert two.ok and two.output_tokens == 2 and len(two.itl) == 1
+
+
+def test_a_client_that_leaves_before_the_first_token_aborts(fake_gateway):
+    start, _ = fake_gateway
+    url, client = start([])
+    for stream in (True, False):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p", "stream": stream},
+                       timeout=httpx.Timeout(5.0, read=0.3))
+        deadline = time.monotonic() + 5
+        while not (client.streams[-1].aborted if stream else client.generates[-1] == "cancelled"):
+            assert time.monotonic() < deadline, "the request was not aborted after the client left"
+            time.sleep(0.05)
+
+
+def test_lean_path_errors_and_shared_model_refresh(fake_gateway, monkeypatch):
+    import services.gateway.app as gw_app
+
+    start, _ = fake_gateway
+    url, client = start([])
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": [], "stream": True})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "p", "stream": True})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(url + "/v1/completions").status_code == 405
+    # a stale model list: the request is answered from it while one (slow) refresh runs behind
+    monkeypatch.setattr(gw_app, "MODELS_TTL_S", 0.0)
+    client.scripts.append([[_delta("A", first=True)], [_delta("b", "length")]])
+    client.models_delay, calls = 2.0, client.models_calls
+    t0 = time.monotonic()
+    chunks = list(sdk(url).completions.create(model="fake", prompt="p", max_tokens=2, stream=True))
+    assert time.monotonic() - t0 < 1.5 and [c.choices[0].text for c in chunks] == ["A", "b"]
+    assert client.models_calls == calls + 1
+    # an unknown name refreshes the list first; requests in flight together share one refresh
+    client.models_delay, calls = 0.3, client.models_calls
+
+    async def many():
+        async with httpx.AsyncClient(base_url=url, timeout=10.0) as ac:
+            return await asyncio.gather(*(ac.post("/v1/completions", json={"model": "nope", "prompt": "p"})
+                                          for _ in range(8)))
+
+    assert all(r.status_code == 404 for r in asyncio.run(many()))
+    assert client.models_calls - calls < 8

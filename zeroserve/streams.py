@@ -31,6 +31,11 @@ class AsyncStream:
         """The request id (known once the request was sent, i.e. after the first ``__anext__``)."""
         return self._req.rid if self._req is not None else (self._args[2] if self._args else None)
 
+    def ready(self) -> bool:
+        """Whether a delta has arrived that ``__anext__`` would return without waiting (a writer
+        can batch what is already there, e.g. the gateway's one write for several SSE events)."""
+        return self._req is not None and bool(self._req.queue)
+
     def __aiter__(self) -> AsyncStream:
         return self
 

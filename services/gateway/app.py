@@ -1,11 +1,10 @@
-"""The OpenAI-compatible HTTP gateway: FastAPI routes over one `AsyncClient` to the scheduler.
+"""The OpenAI-compatible HTTP gateway over one `AsyncClient` to the scheduler.
 
-Every request becomes one cluster request per prompt (``n`` completions each); the chat template
-is applied in the scheduler (`AsyncClient.chat`), so HTTP and ZeroMQ clients get the same
-prompt. Streams are server-sent events (``data: {...}`` lines, then ``data: [DONE]``); a client
-that goes away mid-stream, or before a plain request finished, aborts its cluster requests, so
-their KV blocks are freed at once. Errors are OpenAI error objects with the status the SDKs map to
-their typed exceptions (400 / 401 / 404 / 413 / 429 / 503 / 504).
+`/v1/completions` and `/v1/chat/completions` are plain ASGI handlers (completions.py: the
+streaming hot path skips FastAPI and Starlette's StreamingResponse); the other endpoints are
+FastAPI routes. The chat template is applied in the scheduler (`AsyncClient.chat`), so HTTP
+and ZeroMQ clients get the same prompt. Errors are OpenAI error objects with the status the
+SDKs map to their typed exceptions (400 / 401 / 404 / 413 / 429 / 503 / 504).
 
 The metrics of `/metrics` are the scheduler's (`MetricsRequest`: it sees every request, also those
 of ZeroMQ clients), plus a few of this gateway's own.
@@ -15,21 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import os
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -41,67 +32,31 @@ from prometheus_client import (
 disable_created_metrics()
 
 from common.config import GatewayArgs
-from common.errors import (
-    ClusterUnavailable,
-    InvalidRequest,
-    Overloaded,
-    RequestTimeout,
-    ZeroserveError,
-)
+from common.errors import InvalidRequest, ZeroserveError
 from common.log import get_logger
-from services.gateway.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
+from services.gateway import completions
+from services.gateway.completions import now as _now
+from services.gateway.errors import (
+    RETRY_AFTER_S,
+    APIError,
+    BodyTooLarge,
+    api_error,
+    validation_error,
 )
+from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
 
 log = get_logger("gateway")
 
-RETRY_AFTER_S = "1"
 MODELS_TTL_S = 5.0
-
-
-# ================================================================ errors
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code or
-                          self.status}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def api_error(e: BaseException) -> APIError:
-    """A zeroserve error as the HTTP error an OpenAI client expects."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, InvalidRequest):
-        return APIError(400, str(e), "BadRequestError", "invalid_request")
-    if isinstance(e, Overloaded):
-        return APIError(429, str(e), "RateLimitError", "overloaded", headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(e, ClusterUnavailable):
-        return APIError(503, str(e), "ServiceUnavailableError", "unavailable", headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(e, RequestTimeout):
-        return APIError(504, str(e), "TimeoutError", "timeout")
-    if isinstance(e, ZeroserveError):
-        return APIError(500, str(e), "InternalServerError", getattr(e, "code", "internal"))
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError", "internal")
 
 
 # ================================================================ the ASGI wrapper: auth, body size, counts
 class Outer:
-    """Pure ASGI (streams pass straight through): the API key on /v1/* and /tokenize,
-    /detokenize (401), 413 for a body over `max_body_bytes` (by Content-Length, or counted as it
-    arrives), and this gateway's request counters."""
+    """Pure ASGI: the API key on /v1/* and /tokenize, /detokenize (401), 413 for a body over
+    `max_body_bytes` (by Content-Length, or counted as it arrives), this gateway's request
+    counters; then the completion endpoints' own handler, or FastAPI for the rest."""
 
-    def __init__(self, app, cfg: GatewayArgs, gw: "Gateway") -> None:
+    def __init__(self, app, cfg: GatewayArgs, gw: Gateway) -> None:
         self.app, self.cfg, self.gw = app, cfg, gw
         self.limit = cfg.max_body_bytes
         self.key = cfg.api_key.encode() if cfg.api_key else None
@@ -124,13 +79,12 @@ class Outer:
                 scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
                 if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                     return await APIError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
-                                          "AuthenticationError", "invalid_api_key").response()(
-                        scope, receive, counting_send)
+                                          "AuthenticationError", "invalid_api_key").send(counting_send)
             too_big = APIError(413, f"the request body is larger than {self.limit} bytes (--max-body-bytes)",
                                "BadRequestError", "request_too_large")
             length = headers.get(b"content-length", b"")
             if self.limit and length.isdigit() and int(length) > self.limit:
-                return await too_big.response()(scope, receive, counting_send)
+                return await too_big.send(counting_send)
             seen = 0
 
             async def counted():
@@ -139,22 +93,21 @@ class Outer:
                 if msg["type"] == "http.request" and self.limit:
                     seen += len(msg.get("body", b""))
                     if seen > self.limit:
-                        raise _TooBig()
+                        raise BodyTooLarge()
                 return msg
 
             self.gw.in_progress.inc()
             try:
-                await self.app(scope, counted, counting_send)
-            except _TooBig:
-                await too_big.response()(scope, receive, counting_send)
+                if path in completions.PATHS:
+                    await completions.handle(self.gw, scope, counted, counting_send, send)
+                else:
+                    await self.app(scope, counted, counting_send)
+            except BodyTooLarge:
+                await too_big.send(counting_send)
             finally:
                 self.gw.in_progress.dec()
         finally:
             self.gw.http_requests.labels(label, status[0]).inc()
-
-
-class _TooBig(Exception):
-    pass
 
 
 # ================================================================ state
@@ -168,6 +121,7 @@ class Gateway:
         self._client_factory = client_factory
         self._models: list[dict] = []
         self._models_at = 0.0
+        self._models_fut: asyncio.Future | None = None
         self._tokenizers: dict[str, Any] = {}
         self._tok_dirs: dict[str, str] | None = None
         self._tok_lock = asyncio.Lock()
@@ -205,11 +159,28 @@ class Gateway:
 
     # ---------------------------------------------------------------- models
     async def models(self, refresh: bool = False) -> list[dict]:
-        now = time.monotonic()
-        if refresh or not self._models or now - self._models_at > MODELS_TTL_S:
-            self._models = await self.client.models()
-            self._models_at = now
+        """The served models. A list older than MODELS_TTL_S is still answered while one
+        refresh runs behind it: requests never wait on the scheduler for it."""
+        if refresh or not self._models:
+            return await asyncio.shield(self._fetch_models())
+        if time.monotonic() - self._models_at > MODELS_TTL_S:
+            self._fetch_models()
         return self._models
+
+    def _fetch_models(self) -> asyncio.Future:
+        """One ModelsRequest at a time, shared by everyone who asks meanwhile."""
+        if self._models_fut is None:
+            async def fetch() -> list[dict]:
+                try:
+                    self._models = await self.client.models()
+                    self._models_at = time.monotonic()
+                    return self._models
+                finally:
+                    self._models_fut = None
+
+            self._models_fut = asyncio.ensure_future(fetch())
+            self._models_fut.add_done_callback(_retrieved)
+        return self._models_fut
 
     async def resolve_model(self, name: str | None) -> str:
         """The served model a request names (None / empty: the first one); 404 if unknown."""
@@ -265,138 +236,11 @@ class Gateway:
         return self._tok_dirs
 
 
-# ================================================================ response pieces
-def _now() -> int:
-    return int(time.time())
-
-
-def _rid(prefix: str) -> str:
-    return f"{prefix}-{os.urandom(12).hex()}"
-
-
-def _token_str(tok, token_id: int) -> str:
-    if tok is None:
-        return f"token_id:{token_id}"
-    return tok.decode([token_id])
-
-
-def _sampled(tok, entries: list[dict]):
-    """(sampled token's string, its Logprob, every (id, Logprob) of the entry) per non-empty
-    entry; an entry's first item is the sampled token (common/outputs.py)."""
-    for entry in entries:
-        if entry:
-            items = list(entry.items())
-            tid, lp = items[0]
-            yield _token_str(tok, tid), lp, items
-
-
-def _completion_logprobs(tok, entries: list[dict], offset: int) -> dict:
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for s, lp, items in _sampled(tok, entries):
-        out["tokens"].append(s)
-        out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append({_token_str(tok, t): x.logprob for t, x in items})
-        out["text_offset"].append(offset)
-        offset += len(s)
-    return out
-
-
-def _chat_logprobs(tok, entries: list[dict], top: int) -> dict:
-    content = []
-    for s, lp, items in _sampled(tok, entries):
-        tops = [{"token": _token_str(tok, t), "logprob": x.logprob, "bytes": list(_token_str(tok, t).encode())}
-                for t, x in sorted((kv for kv in items if kv[1].rank is not None and kv[1].rank <= top),
-                                   key=lambda kv: kv[1].rank)]
-        content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()), "top_logprobs": tops})
-    return {"content": content}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
-    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens}
-    if cached:
-        u["prompt_tokens_details"] = {"cached_tokens": cached}
-    return u
-
-
-_json = msgspec.json.Encoder()
-
-
-def _sse(obj: Any) -> bytes:
-    """One server-sent event (msgspec's JSON encoder: 0.65 us vs json.dumps 8.8 us on a chunk)."""
-    return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-async def _until_disconnect(request: Request, coro):
-    """Run `coro`; cancel it (the client aborts its cluster requests) if the HTTP client leaves."""
-    task = asyncio.ensure_future(coro)
-
-    async def watch():
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():  # the client left (or we were cancelled): abort its cluster requests
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if not task.done() or task.cancelled():
-        return None
-    return task.result()
-
-
-async def _merge(streams: list) -> AsyncIterator[tuple[int, Any]]:
-    """(stream index, delta) from several AsyncStreams, as they come; closing the iterator (or
-    cancelling the task that drives it) aborts every stream that still runs."""
-    if len(streams) == 1:
-        try:
-            async for d in streams[0]:
-                yield 0, d
-        finally:
-            await streams[0].aclose()
-        return
-    q: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(i, s):
-        try:
-            async for d in s:
-                q.put_nowait((i, d))
-            q.put_nowait((i, end))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, d = await q.get()
-            if d is end:
-                left -= 1
-            elif isinstance(d, BaseException):
-                raise d
-            else:
-                yield i, d
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
-
-
-async def _first(stream) -> Any:
-    """The first delta of a stream (it sends the request): errors surface before any HTTP
-    status is sent, so they become proper error responses."""
-    return await stream.__anext__()
+def _retrieved(fut: asyncio.Future) -> None:
+    """A background refresh's error is not lost (nor logged as never retrieved): the next
+    request that needs the list asks again and gets it."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 # ================================================================ the app
@@ -424,15 +268,7 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, e: RequestValidationError):
-        errs = e.errors()
-        parts, param = [], None
-        for err in errs[:5]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            field = ".".join(loc) or "body"
-            param = param or field
-            parts.append(f"{field}: {err.get('msg')}")
-        return APIError(400, "invalid request: " + "; ".join(parts), "BadRequestError", "invalid_request",
-                        param=param).response()
+        return validation_error(e.errors()).response()
 
     # ---------------------------------------------------------------- plain endpoints
     @app.get("/health")
@@ -492,158 +328,8 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         tok = await gw.tokenizer(model)
         return {"prompt": tok.decode(req.tokens)}
 
-    # ---------------------------------------------------------------- completions
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        model = await gw.resolve_model(req.model)
-        prompts = req.prompts()
-        sp = req.sampling_params()
-        sp.model = model
-        want_lp = sp.logprobs is not None
-        tok = await gw.tokenizer(model, required=False) if (want_lp or req.echo) else None
-        lp_tok = None if req.return_tokens_as_token_ids else tok
-        if req.echo and tok is None and any(not isinstance(p, str) for p in prompts):
-            raise InvalidRequest("echo with token-id prompts needs the gateway's tokenizer (start it with --model)")
-        echo_text = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts]
-        rid, created = _rid("cmpl"), _now()
-        timeout = cfg.request_timeout_s
-        c = gw.client
-        if not req.stream:
-            async def run():
-                return await asyncio.gather(*(c.generate(p, sp, f"{rid}-{i}", request_timeout_s=timeout)
-                                              for i, p in enumerate(prompts)))
-            outs = await _until_disconnect(request, run())
-            if outs is None:
-                return Response(status_code=499)  # nobody is listening any more
-            choices, n_prompt, n_out, cached = [], 0, 0, 0
-            for i, out in enumerate(outs):
-                n_prompt += len(out.prompt_token_ids)
-                cached += out.num_cached_tokens
-                for o in out.outputs:
-                    n_out += len(o.token_ids)
-                    lp = _completion_logprobs(lp_tok, o.logprobs or [], len(echo_text[i])) if want_lp else None
-                    choices.append({"index": i * sp.n + o.index, "text": echo_text[i] + o.text, "logprobs": lp,
-                                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-            return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                    "usage": _usage(n_prompt, n_out, cached)}
-
-        streams = [c.stream(p, sp, f"{rid}-{i}", request_timeout_s=timeout) for i, p in enumerate(prompts)]
-        firsts = await _prefetch(streams)
-
-        async def events():
-            n_prompt, n_out, cached = 0, 0, 0
-            offsets: dict[int, int] = {}
-            try:
-                async for i, d in _chain(firsts, streams):
-                    if d.prompt_token_ids is not None:
-                        n_prompt += len(d.prompt_token_ids)
-                        cached += d.num_cached_tokens
-                    n_out += len(d.token_ids)
-                    idx = i * sp.n + d.index
-                    text = d.text
-                    if idx not in offsets:
-                        text = echo_text[i] + text
-                        offsets[idx] = 0
-                    lp = None
-                    if want_lp:
-                        lp = _completion_logprobs(lp_tok, d.logprobs or [], offsets[idx])
-                    offsets[idx] += len(text)
-                    if not text and d.finish_reason is None and not d.token_ids:
-                        continue
-                    ev = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                          "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
-                    if req.continuous_usage:
-                        ev["usage"] = _usage(n_prompt, n_out, cached)
-                    yield _sse(ev)
-                if req.include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": _usage(n_prompt, n_out, cached)})
-            except ZeroserveError as e:  # mid-stream: the status is sent already
-                yield _sse(api_error(e).body())
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    # ---------------------------------------------------------------- chat
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        model = await gw.resolve_model(req.model)
-        sp = req.sampling_params()
-        sp.model = model
-        messages = [m.plain() for m in req.messages]
-        want_lp = sp.logprobs is not None
-        top = sp.logprobs or 0
-        tok = await gw.tokenizer(model, required=False) if want_lp and not req.return_tokens_as_token_ids else None
-        rid, created = _rid("chatcmpl"), _now()
-        timeout = cfg.request_timeout_s
-        c = gw.client
-        if not req.stream:
-            out = await _until_disconnect(request, c.chat(messages, sp, rid, request_timeout_s=timeout))
-            if out is None:
-                return Response(status_code=499)
-            choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                        "logprobs": _chat_logprobs(tok, o.logprobs or [], top) if want_lp else None,
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs]
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                    "usage": _usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
-                                    out.num_cached_tokens)}
-
-        streams = [c.stream_chat(messages, sp, rid, request_timeout_s=timeout)]
-        firsts = await _prefetch(streams)
-
-        def chunk(choices: list[dict], **extra) -> str:
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": choices, **extra})
-
-        async def events():
-            n_prompt, n_out, cached = 0, 0, 0
-            try:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(sp.n)])
-                async for _, d in _chain(firsts, streams):
-                    if d.prompt_token_ids is not None:
-                        n_prompt += len(d.prompt_token_ids)
-                        cached += d.num_cached_tokens
-                    n_out += len(d.token_ids)
-                    if not d.text and d.finish_reason is None and not d.token_ids:
-                        continue
-                    delta = {"content": d.text} if d.text else {}
-                    lp = _chat_logprobs(tok, d.logprobs or [], top) if want_lp else None
-                    c = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-                    if d.finish_reason is not None:
-                        c["stop_reason"] = d.stop_reason
-                    yield chunk([c], **({"usage": _usage(n_prompt, n_out, cached)} if req.continuous_usage else {}))
-                if req.include_usage:
-                    yield chunk([], usage=_usage(n_prompt, n_out, cached))
-            except ZeroserveError as e:
-                yield _sse(api_error(e).body())
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
     return Outer(app, cfg, gw)
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
                "/detokenize"}
-
-
-async def _prefetch(streams: list) -> list:
-    """Start every stream and wait for its first delta; on an error abort them all and raise it."""
-    results = await asyncio.gather(*(_first(s) for s in streams), return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, StopAsyncIteration)]
-    if errors:
-        for s in streams:
-            await s.aclose()
-        raise errors[0]
-    return results
-
-
-async def _chain(firsts: list, streams: list) -> AsyncIterator[tuple[int, Any]]:
-    """The prefetched first deltas, then the rest of every stream, merged."""
-    for i, d in enumerate(firsts):
-        if not isinstance(d, StopAsyncIteration):
-            yield i, d
-    async for item in _merge(streams):
-        yield item
