@@ -19,6 +19,9 @@ the gateway itself, and on a small box that CPU is taken from the server being m
 (vLLM's benchmark uses aiohttp for the same reason). Before the clock starts, one request asks
 for logprobs (a server that loads its tokenizer lazily, as ours does in the background, has it
 then), and `--num-warmups` short requests at the workload's concurrency warm the server up.
+With both paths, `--rounds` (2) phases each run in alternating order (http, direct, direct,
+http), each with its own prompts; a path's figures are over all its phases, and the per-round
+throughputs are printed (whichever phase ran first was slower, so one order alone is biased).
 """
 
 from __future__ import annotations
@@ -455,41 +458,54 @@ async def main_async(args, base_url: str | None, direct: str | None, children=No
         return make_workload(n, args.input_len, min(args.output_len, 8), args.range_ratio, args.seed, args.vocab,
                              salt="warmup")
 
-    out = []
-    if base_url:
-        client = HTTPClient(base_url, args.api_key)
-        try:
-            model = args.model or (await client.get_json("/v1/models"))["data"][0]["id"]
-            warm = await http_one(client, model, Req([11, 12, 13], 2), logprobs=1)
-            if not warm.ok:
-                raise SystemExit(f"warm-up request failed: {warm.error}")
-            res, _ = await run_load(warmups(), lambda r: http_one(client, model, r), float("inf"),
-                                    args.max_concurrency, args.seed)
-            if not all(r.ok for r in res):
-                raise SystemExit(f"warm-up requests failed: {sorted({r.error for r in res if not r.ok})[:3]}")
-            cpu0 = cpu_seconds(children)
-            res, dur = await run_load(work_for("http"), lambda r: http_one(client, model, r),
-                                      args.request_rate, args.max_concurrency, args.seed)
-            out.append(summarize(res, dur, "http"))
-            if children:
-                out[-1]["cpu_us_per_token"] = cpu_per_token(cpu0, cpu_seconds(children), out[-1]["total_output_tokens"])
-        finally:
-            client.close()
-    if direct:
-        from zeroserve import AsyncClient
+    from contextlib import AsyncExitStack
 
-        async with AsyncClient(direct, timeout_s=60.0) as client:
-            await direct_one(client, Req([11, 12, 13], 2))
-            if not base_url:  # else the HTTP phase's warm-up warmed the cluster already
-                await run_load(warmups(), lambda r: direct_one(client, r), float("inf"), args.max_concurrency,
-                               args.seed)
-            cpu0 = cpu_seconds(children)
-            res, dur = await run_load(work_for("direct"), lambda r: direct_one(client, r), args.request_rate,
-                                      args.max_concurrency, args.seed)
-            out.append(summarize(res, dur, "direct"))
-            if children:
-                out[-1]["cpu_us_per_token"] = cpu_per_token(cpu0, cpu_seconds(children), out[-1]["total_output_tokens"])
-    return out
+    http_client = HTTPClient(base_url, args.api_key) if base_url else None
+    try:
+        async with AsyncExitStack() as stack:
+            phases: dict[str, object] = {}
+            if http_client is not None:
+                model = args.model or (await http_client.get_json("/v1/models"))["data"][0]["id"]
+                warm = await http_one(http_client, model, Req([11, 12, 13], 2), logprobs=1)
+                if not warm.ok:
+                    raise SystemExit(f"warm-up request failed: {warm.error}")
+                res, _ = await run_load(warmups(), lambda r: http_one(http_client, model, r), float("inf"),
+                                        args.max_concurrency, args.seed)
+                if not all(r.ok for r in res):
+                    raise SystemExit(f"warm-up requests failed: {sorted({r.error for r in res if not r.ok})[:3]}")
+                phases["http"] = lambda r: http_one(http_client, model, r)
+            if direct:
+                from zeroserve import AsyncClient
+
+                aclient = await stack.enter_async_context(AsyncClient(direct, timeout_s=60.0))
+                await direct_one(aclient, Req([11, 12, 13], 2))
+                if http_client is None:  # else the HTTP warm-up warmed the cluster already
+                    await run_load(warmups(), lambda r: direct_one(aclient, r), float("inf"), args.max_concurrency,
+                                   args.seed)
+                phases["direct"] = lambda r: direct_one(aclient, r)
+            # rounds alternate the order (http, direct, direct, http, ...): on SmolLM2 whichever phase
+            # ran first was 5-10% slower (its worker CPU per token moved), so one order alone is biased
+            order = list(phases)
+            runs: dict[str, list] = {m: [] for m in phases}
+            for rnd in range(args.rounds):
+                for mode in (order if rnd % 2 == 0 else order[::-1]):
+                    cpu0 = cpu_seconds(children)
+                    res, dur = await run_load(work_for(mode if rnd == 0 else f"{mode}{rnd}"), phases[mode],
+                                              args.request_rate, args.max_concurrency, args.seed)
+                    runs[mode].append((res, dur, cpu0, cpu_seconds(children)))
+            out = []
+            for mode, rs in runs.items():
+                s = summarize([r for res, *_ in rs for r in res], sum(d for _, d, *_ in rs), mode)
+                s["rounds"] = [round(summarize(res, dur, mode)["output_throughput"], 1) for res, dur, *_ in rs]
+                if children:
+                    before = {k: sum(c0.get(k, 0.0) for *_, c0, _ in rs) for k in rs[0][2]}
+                    after = {k: sum(c1.get(k, 0.0) for *_, c1 in rs) for k in rs[0][3]}
+                    s["cpu_us_per_token"] = cpu_per_token(before, after, s["total_output_tokens"])
+                out.append(s)
+            return out
+    finally:
+        if http_client is not None:
+            http_client.close()
 
 
 def _run(coro):
@@ -524,6 +540,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-warmups", type=int, default=None, help="short requests (the workload's prompt "
                     "lengths, up to 8 tokens out) run before the first phase; default: --max-concurrency of them")
+    ap.add_argument("--rounds", type=int, default=2, help="phases per path, the order alternating each round "
+                    "(http, direct, direct, http, ...); each phase its own prompts (default 2)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON ('-' = stdout)")
     args = ap.parse_args(argv)
     children = None
@@ -547,6 +565,7 @@ def main(argv=None) -> int:
     by = {s["mode"]: s for s in results}
     if "http" in by and "direct" in by:
         h, d = by["http"], by["direct"]
+        print(f"per round (output tok/s): http {h['rounds']}, direct {d['rounds']}")
         print(f"gateway overhead: HTTP output throughput {h['output_throughput']:.1f} tok/s vs direct "
               f"{d['output_throughput']:.1f} tok/s ({h['output_throughput'] / d['output_throughput']:.1%}); "
               f"median TTFT added {h['median_ttft_ms'] - d['median_ttft_ms']:.1f} ms")
