@@ -8,7 +8,11 @@
  * Layout (the engine's): q [B, Hq, D]; caches [num_blocks, block_size, Hk, D];
  * block_tables [B, bt_stride] int32; seq_lens [B] int32; out [B, Hq, D]. Query head h reads kv
  * head h / (Hq / Hk) (GQA). Softmax is online (running max and sum per query head), in fp32.
- * A request with seq_len <= 0 gets zeros.
+ * A request with seq_len <= 0 gets zeros. With AVX2 + FMA and head_dim % 8 == 0, scores are
+ * taken eight keys at a time (one reduction for eight dot products) and the weighted sum of V
+ * keeps 64 output columns in registers over a chunk of keys; elsewhere plain C loops.
+ * zs_paged_decode_f32 runs its own OpenMP team; zs_paged_decode_f32_part is one thread's share
+ * for a caller with a team of its own (csrc/decode_step.c).
  *
  * Built on first use by kernels/cpu_native.py with the system C compiler; its torch twin is
  * kernels.torch_ops.paged_attention, and tests/kernels/test_cpu_native.py compares the two.
