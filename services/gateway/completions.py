@@ -97,6 +97,23 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
     return u
 
 
+class _Tally:
+    """A stream's token counts as its deltas pass, and how many of its choices still run."""
+
+    def __init__(self, choices: int) -> None:
+        self.prompt, self.out, self.cached, self.running = 0, 0, 0, choices
+
+    def add(self, d) -> None:
+        self.running -= d.finish_reason is not None
+        if d.prompt_token_ids is not None:
+            self.prompt += len(d.prompt_token_ids)
+            self.cached += d.num_cached_tokens
+        self.out += len(d.token_ids)
+
+    def usage(self) -> dict:
+        return _usage(self.prompt, self.out, self.cached)
+
+
 _json = msgspec.json.Encoder()
 
 
@@ -228,17 +245,12 @@ async def _completions(gw, req: CompletionRequest):
     continuous = req.continuous_usage
 
     async def events():
-        n_prompt, n_out, cached = 0, 0, 0
         offsets: dict[int, int] = {}
         out: list[bytes] = []
-        running = len(prompts) * sp.n  # once every choice finished, the tail joins the last write
+        tally = _Tally(len(prompts) * sp.n)  # once every choice finished, the tail joins the last write
         try:
             async for i, d, more in _chain(firsts, streams):
-                running -= d.finish_reason is not None
-                if d.prompt_token_ids is not None:
-                    n_prompt += len(d.prompt_token_ids)
-                    cached += d.num_cached_tokens
-                n_out += len(d.token_ids)
+                tally.add(d)
                 idx = i * sp.n + d.index
                 text = d.text
                 if idx not in offsets:
@@ -253,14 +265,14 @@ async def _completions(gw, req: CompletionRequest):
                           "choices": [{"index": idx, "text": text, "logprobs": lp,
                                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
                     if continuous:
-                        ev["usage"] = _usage(n_prompt, n_out, cached)
+                        ev["usage"] = tally.usage()
                     out.append(_sse(ev))
-                if out and not more and running:  # nothing else waiting: write what we have
+                if out and not more and tally.running:  # nothing else waiting: write what we have
                     yield b"".join(out)
                     out.clear()
             if req.include_usage:
                 out.append(_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": [], "usage": _usage(n_prompt, n_out, cached)}))
+                                 "choices": [], "usage": tally.usage()}))
         except ZeroserveError as e:  # mid-stream: the status is sent already
             out.append(_sse(api_error(e).body()))
         out.append(_DONE)
@@ -300,29 +312,24 @@ async def _chat(gw, req: ChatCompletionRequest):
     continuous = req.continuous_usage
 
     async def events():
-        n_prompt, n_out, cached = 0, 0, 0
         out = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None} for i in range(sp.n)])]
-        running = sp.n
+        tally = _Tally(sp.n)
         try:
             async for _, d, more in _chain(firsts, streams):
-                running -= d.finish_reason is not None
-                if d.prompt_token_ids is not None:
-                    n_prompt += len(d.prompt_token_ids)
-                    cached += d.num_cached_tokens
-                n_out += len(d.token_ids)
+                tally.add(d)
                 if d.text or d.finish_reason is not None or d.token_ids:
                     delta = {"content": d.text} if d.text else {}
                     lp = _chat_logprobs(tok, d.logprobs or [], top) if want_lp else None
                     ch = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
                     if d.finish_reason is not None:
                         ch["stop_reason"] = d.stop_reason
-                    out.append(chunk([ch], **({"usage": _usage(n_prompt, n_out, cached)} if continuous else {})))
-                if out and not more and running:
+                    out.append(chunk([ch], **({"usage": tally.usage()} if continuous else {})))
+                if out and not more and tally.running:
                     yield b"".join(out)
                     out.clear()
             if req.include_usage:
-                out.append(chunk([], usage=_usage(n_prompt, n_out, cached)))
+                out.append(chunk([], usage=tally.usage()))
         except ZeroserveError as e:
             out.append(_sse(api_error(e).body()))
         out.append(_DONE)
