@@ -137,10 +137,11 @@ static void step_thread(const int64_t *g, const float *f, const int64_t *layers,
             int64_t q_ld = nqkv, k_ld = nqkv;
             if (g[G_QK_NORM]) {  /* Qwen3: per-head RMSNorm of q and k before the rotary */
                 for (int t = t0; t < t1; t++) {
-                    zs_add_rms_norm_f32(B->qkv + (int64_t)t * nqkv, D, NULL, 0, PTR(const float *, ly[L_Q_NORM]),
-                                        B->qn + (int64_t)t * qs, D, NULL, 0, Hq, D, eps, 1);
-                    zs_add_rms_norm_f32(B->qkv + (int64_t)t * nqkv + qs, D, NULL, 0, PTR(const float *, ly[L_K_NORM]),
-                                        B->kn + (int64_t)t * kvs, D, NULL, 0, Hk, D, eps, 1);
+                    FAIL(zs_add_rms_norm_f32(B->qkv + (int64_t)t * nqkv, D, NULL, 0, PTR(const float *, ly[L_Q_NORM]),
+                                             B->qn + (int64_t)t * qs, D, NULL, 0, Hq, D, eps, 1));
+                    FAIL(zs_add_rms_norm_f32(B->qkv + (int64_t)t * nqkv + qs, D, NULL, 0,
+                                             PTR(const float *, ly[L_K_NORM]), B->kn + (int64_t)t * kvs, D, NULL, 0,
+                                             Hk, D, eps, 1));
                 }
                 q = B->qn + (int64_t)t0 * qs, k = B->kn + (int64_t)t0 * kvs, q_ld = qs, k_ld = kvs;
             }

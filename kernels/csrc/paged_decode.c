@@ -206,20 +206,28 @@ static void decode_one(const float *restrict q, const float *restrict kc, const 
     }
 }
 
+static int shape_ok(int Hq, int Hk, int D, int BS) {
+    return Hk > 0 && Hq % Hk == 0 && Hq / Hk <= MAX_GROUP && D <= MAX_DIM && BS > 0;
+}
+
+/* Task `task` of B * Hk: request task / Hk, kv head task % Hk, with its query heads. */
+static inline void run_task(int64_t task, const float *q, const float *k_cache, const float *v_cache,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
+                            int Hq, int Hk, int D, int BS, float scale) {
+    const int grp = Hq / Hk, b = (int)(task / Hk), hk = (int)(task % Hk);
+    const int64_t off = ((int64_t)b * Hq + (int64_t)hk * grp) * D;
+    decode_one(q + off, k_cache, v_cache, block_tables + b * bt_stride, seq_lens[b], out + off, hk, Hk, D, BS, grp,
+               scale);
+}
+
 /* Returns 0 on success, -1 when a shape is outside the compiled limits. */
 int zs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                         float *out, int B, int Hq, int Hk, int D, int BS, float scale, int threads) {
-    if (Hk <= 0 || Hq % Hk != 0 || Hq / Hk > MAX_GROUP || D > MAX_DIM || BS <= 0) return -1;
-    const int grp = Hq / Hk;
-    const int64_t tasks = (int64_t)B * Hk;
+    if (!shape_ok(Hq, Hk, D, BS)) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int b = (int)(task / Hk), hk = (int)(task % Hk);
-        const int64_t off = ((int64_t)b * Hq + (int64_t)hk * grp) * D;
-        decode_one(q + off, k_cache, v_cache, block_tables + b * bt_stride, seq_lens[b], out + off,
-                   hk, Hk, D, BS, grp, scale);
-    }
+    for (int64_t task = 0; task < (int64_t)B * Hk; task++)
+        run_task(task, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, D, BS, scale);
     return 0;
 }
 
@@ -228,13 +236,8 @@ int zs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
 int zs_paged_decode_f32_part(const float *q, const float *k_cache, const float *v_cache,
                              const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                              float *out, int B, int Hq, int Hk, int D, int BS, float scale, int threads, int id) {
-    if (Hk <= 0 || Hq % Hk != 0 || Hq / Hk > MAX_GROUP || D > MAX_DIM || BS <= 0) return -1;
-    const int grp = Hq / Hk;
-    for (int64_t task = id; task < (int64_t)B * Hk; task += threads) {
-        const int b = (int)(task / Hk), hk = (int)(task % Hk);
-        const int64_t off = ((int64_t)b * Hq + (int64_t)hk * grp) * D;
-        decode_one(q + off, k_cache, v_cache, block_tables + b * bt_stride, seq_lens[b], out + off,
-                   hk, Hk, D, BS, grp, scale);
-    }
+    if (!shape_ok(Hq, Hk, D, BS)) return -1;
+    for (int64_t task = id; task < (int64_t)B * Hk; task += threads)
+        run_task(task, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, D, BS, scale);
     return 0;
 }

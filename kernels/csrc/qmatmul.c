@@ -431,9 +431,30 @@ int zs_dequantize_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *
     return 0;
 }
 
+/* The job of one call (arguments checked by check_args): x's lane sums go to sx_stack when they
+ * fit, else to the heap (release() frees them). Returns 0, or -2 when out of memory. */
+static int prepare(job_t *job, int fmt, int gshift, const uint8_t *w, int64_t w_stride, const float *scales,
+                   const float *mins, int64_t s_stride, const float *x, int64_t ldx, float *y, int64_t ldy, int T,
+                   int N, int K, vf *sx_stack) {
+    const int64_t nch = K / 32, sxs = nch * VW;
+    float *sx = NULL;
+    if (asym(fmt)) {
+        sx = T * nch <= SX_STACK ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
+        if (sx == NULL) return -2;
+        lane_sums(x, ldx, T, nch, sx, sxs);
+    }
+    *job = (job_t){fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y};
+    return 0;
+}
+
+static void release(const job_t *job, const vf *sx_stack) {
+    if (job->sx != (const float *)sx_stack) free((void *)job->sx);
+}
+
 /* One thread's share (thread `id` of a team of `threads`) of the matmul below, for callers that
  * run their own team (csrc/decode_step.c: one team per step, not one per matmul). The shares of
- * ids 0 .. threads-1 together give exactly the result of zs_qmatmul_f32 with `threads`. */
+ * ids 0 .. threads-1 together give exactly the result of zs_qmatmul_f32 with `threads`; each
+ * thread takes x's lane sums itself (the same values; cheaper than a barrier). */
 int zs_qmatmul_f32_part(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
                         int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
                         int T, int N, int K, int threads, int id) {
@@ -442,22 +463,12 @@ int zs_qmatmul_f32_part(int fmt, const uint8_t *w, int64_t w_stride, const float
     if (T == 0 || N == 0) return 0;
     const int nt = team_size(T, N, K, threads);
     if (id >= nt) return 0;
-    if (K == 0) {
-        const int n0 = (int)((int64_t)N * id / nt), n1 = (int)((int64_t)N * (id + 1) / nt);
-        for (int t = 0; t < T; t++) memset(y + t * ldy + n0, 0, sizeof(float) * (n1 - n0));
-        return 0;
-    }
-    const int64_t nch = K / 32, sxs = nch * VW;
     vf sx_stack[SX_STACK];
-    float *sx = NULL;
-    if (asym(fmt)) {  /* each thread its own (identical) copy: cheaper than a barrier */
-        sx = T * nch <= SX_STACK ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
-        if (sx == NULL) return -2;
-        lane_sums(x, ldx, T, nch, sx, sxs);
-    }
-    const job_t job = {fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y};
-    run(&job, id, nt);
-    if (sx != (float *)sx_stack) free(sx);
+    job_t job;
+    if (prepare(&job, fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K, sx_stack) != 0)
+        return -2;
+    run(&job, id, nt);  /* K == 0: no blocks, zeros */
+    release(&job, sx_stack);
     return 0;
 }
 
@@ -470,21 +481,12 @@ int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *sca
     const int gshift = check_args(fmt, scales, mins, group, T, N, K);
     if (gshift < 0) return -1;
     if (T == 0 || N == 0) return 0;
-    if (K == 0) {
-        for (int t = 0; t < T; t++) memset(y + t * ldy, 0, sizeof(float) * N);
-        return 0;
-    }
     const int nt = team_size(T, N, K, threads);
     /* lane sums of x's chunks for the formats with an offset: one pass over x, before the threads */
-    const int64_t nch = K / 32, sxs = nch * VW;
     vf sx_stack[SX_STACK];
-    float *sx = NULL;
-    if (asym(fmt)) {
-        sx = T * nch <= SX_STACK ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
-        if (sx == NULL) return -2;
-        lane_sums(x, ldx, T, nch, sx, sxs);
-    }
-    const job_t job = {fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y};
+    job_t job;
+    if (prepare(&job, fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K, sx_stack) != 0)
+        return -2;
     if (nt == 1) {
         run(&job, 0, 1);  /* no team for small matmuls: a fork costs microseconds */
     } else {
@@ -497,6 +499,6 @@ int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *sca
 #endif
         }
     }
-    if (sx != (float *)sx_stack) free(sx);
+    release(&job, sx_stack);
     return 0;
 }

@@ -21,9 +21,10 @@ import torch
 from kernels import AttentionMetadata, cpu_native
 from kernels.quant import FLOAT_MATMUL_MIN_ROWS, QuantizedWeight
 
-# word layout of decode_step.c's descriptor
-G_WORDS, LIN_WORDS, L_WORDS = 15, 8, 38
-L_IN_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_K_CACHE, L_V_CACHE = range(32, 38)
+# word layout of decode_step.c's descriptor (its enums)
+G_BLOCK, G_SLOTS, G_WORDS = 13, 14, 15
+LIN_WORDS, L_WORDS = 8, 38
+L_K_CACHE, L_V_CACHE = 36, 37
 
 
 def _turned_off() -> bool:
@@ -34,7 +35,7 @@ def _fn(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-def _lin(qw: QuantizedWeight | None, bias: torch.Tensor | None) -> list[int]:
+def _lin(qw: QuantizedWeight, bias: torch.Tensor | None) -> list[int]:
     fmt, w, w_stride, sc, mn, s_stride, group = qw._kargs
     return [fmt, w, w_stride, sc or 0, mn or 0, s_stride, group, bias.data_ptr() if bias is not None else 0]
 
@@ -44,16 +45,14 @@ class CpuDecodeStep:
 
     def __init__(self, model, step_lib: ctypes.CDLL) -> None:
         cfg = model.cfg
-        self.model, self.lib = model, step_lib
+        self.lib = step_lib
         a0 = model.layers[0].self_attn if model.num_layers else None
-        self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, model.head_dim
-        self.hidden = cfg.hidden_size
         cos_sin = model.rotary.cos_sin_cache
-        self._keep = [cos_sin]
-        g = [model.num_layers, cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+        self._keep = [cos_sin]  # the rotary module may swap its table (device moves): ours stays valid
+        g = [model.num_layers, cfg.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim,
              cfg.intermediate_size, cos_sin.shape[1], cos_sin.shape[0], cos_sin.data_ptr(), int(cfg.qk_norm),
              model.norm.weight.data_ptr(), _fn(cpu_native.quant_lib(), "zs_qmatmul_f32_part"),
-             _fn(cpu_native.decode_lib(), "zs_paged_decode_f32_part"), 0, 0]
+             _fn(cpu_native.decode_lib(), "zs_paged_decode_f32_part"), 0, 0]  # block size, slots: per cache
         assert len(g) == G_WORDS
         self.g = torch.tensor(g, dtype=torch.int64)
         self.f = torch.tensor([cfg.rms_norm_eps, a0.scale if a0 is not None else 1.0], dtype=torch.float32)
@@ -102,7 +101,10 @@ class CpuDecodeStep:
         return k0 is None or (k0.dtype == torch.float32 and k0.is_contiguous())
 
     def _bind_caches(self, kv_caches) -> None:
-        key = (id(kv_caches), tuple(kv_caches[0][0].shape)) if kv_caches else None
+        # keyed by the caches' addresses, not the list's id(): a new list may reuse a freed one's
+        # id, and stale pointers would write into freed memory (~60 data_ptr() calls, a few us)
+        key = (tuple(t.data_ptr() for kv in kv_caches for t in kv), tuple(kv_caches[0][0].shape)) if kv_caches \
+            else None
         if key == self._caches_key:
             return
         if kv_caches:
@@ -112,7 +114,7 @@ class CpuDecodeStep:
                 self.layers[i, L_K_CACHE] = k.data_ptr()
                 self.layers[i, L_V_CACHE] = v.data_ptr()
             nb, bs = kv_caches[0][0].shape[:2]
-            self.g[13], self.g[14] = bs, nb * bs
+            self.g[G_BLOCK], self.g[G_SLOTS] = bs, nb * bs
         self._caches_key = key
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
