@@ -166,6 +166,8 @@ def bind_quant(lib: ctypes.CDLL) -> ctypes.CDLL:
     g.argtypes = [I, P, I64, P, P, I64, I, P, I64, I, I, I]
     lib.zs_qm_isa.restype = I
     lib.isa = {2: "avx512", 1: "avx2"}.get(lib.zs_qm_isa(), "portable")
+    lib.zs_qm_gemm_rows.restype = I
+    lib.gemm_rows = lib.zs_qm_gemm_rows()  # from this many rows of x: dequantized panels + float GEMM
     return lib
 
 

@@ -24,9 +24,12 @@
  * where x_c . q_c is a fixed tree over vector lanes, sum(x_c) is taken in the same lane order,
  * acc is one vector per (t, n) accumulated over K in order, and its lanes are summed at the
  * end. Versus dequantize-then-matmul this only moves roundings (scale applied per chunk, not
- * per weight; summation order): agreement to fp32 rounding. It is the same for every t, T,
- * tiling and thread count, so results are batch- and thread-invariant; it differs between the
- * AVX-512, AVX2 and portable builds (vector width).
+ * per weight; summation order): agreement to fp32 rounding. From GEMM_MIN_ROWS rows of x on,
+ * panels of weights are dequantized exactly and multiplied by a float GEMM (run_gemm): only the
+ * summation order differs from dequantize-then-matmul. Within each of the two regimes the result
+ * of a row is the same for every T, tiling and thread count (batch- and thread-invariant); the
+ * two regimes agree to fp32 rounding, not bit for bit, and both differ between the AVX-512, AVX2
+ * and portable builds (vector width).
  *
  * Built on first use by kernels/cpu_native.py (-O3 -march=native -fopenmp -ffp-contract=off:
  * the compiler may not fuse or reorder what is written here).
@@ -327,11 +330,126 @@ typedef struct {
     float *y;
 } job_t;
 
+/* Blocks [b0, b1) of one weight row as fp32, exactly the torch twin's values (QuantizedWeight.
+ * dequantize): d * q (+ m), one rounding each; block b0's first element goes to out[0]. */
+INLINE void dequant_blocks(int fmt, const row_t *r, int b0, int b1, float *out) {
+    const int be = block_elems(fmt);
+    for (int b = b0; b < b1; b++) {
+        float d[8], m[8];
+        const int nc = block_prep(fmt, r, b, d, m);
+        for (int j = 0; j < nc;) {
+            vf q[2][NV];
+            const int got = decode(fmt, r, b, j, q);
+            for (int u = 0; u < got; u++, j++) {
+                const int jj = fmt == F_Q4_K ? j : 0;
+                float *dst = out + (int64_t)(b - b0) * be + 32 * j;
+                const vf vd = VSET1(d[jj]), vm = asym(fmt) ? VSET1(m[jj]) : VZERO();
+                for (int i = 0; i < NV; i++) {
+                    /* GGUF scales have 11 (Q4_K: 17) significant bits, codes 4: d * q is exact
+                     * in fp32, so one FMA rounds as the twin's multiply-then-add does */
+                    vf v = !asym(fmt) ? VMUL(vd, q[u][i])
+                           : fmt == F_INT4 ? VADD(VMUL(vd, q[u][i]), vm) : VFMA(vd, q[u][i], vm);
+                    memcpy(dst + i * VW, &v, sizeof v);
+                }
+            }
+        }
+    }
+}
+
+/* Many rows of x (T >= GEMM_MIN_ROWS): dequantizing a panel of NP weight rows x KC columns into
+ * an L1-sized buffer and running a register-blocked float GEMM on it does 4 vector FMAs per
+ * 32-element chunk and row of x, where the packed tile above does 8 operations (its scale and
+ * offset per chunk): measured ~2x at 32 rows (benchmarks/quant_matmul.py). The weights it uses
+ * are exactly the dequantized values, so the result is the float matmul's up to summation order:
+ * per (t, n) one vector of partial sums over k in order (lane l: k = l mod VW), its lanes summed
+ * at the end -- the same for every t, T >= GEMM_MIN_ROWS, tiling and thread count, but not the
+ * packed tile's bits (it scales per chunk). */
+#define GEMM_MIN_ROWS 16  /* measured crossover (SmolLM2's shapes, AVX2): 8 rows packed wins, 32 GEMM 1.3-1.5x */
+#define NR 3
+#define NP (4 * NR)  /* weight rows per panel: NP / NR micro-tiles of NR */
+#define MR 4    /* rows of x per micro-tile: MR * NR accumulators + MR x vectors + 1 = 16 registers */
+#define KC 1024 /* columns per panel (48 KiB of fp32, L1/L2): K up to KC keeps the sums in registers */
+#define TB 96   /* rows of x per pass (their accumulators: TB * NP vectors, 48 KiB) */
+
+/* Keeps a loaded vector in a register: left alone, gcc folds the load into each FMA that uses
+ * it, MR loads instead of one (load-port bound). */
+#if ISA > 0
+#define IN_REG(v) __asm__("" : "+x"(v))
+#else
+#define IN_REG(v) (void)0
+#endif
+
+/* acc[r * NP + c] += x[r, 0:kc] . w[c, 0:kc] (vector partial sums) for r < R, c < NR. */
+INLINE void gemm_tile(int R, const float *x, int64_t ldx, const float *w, int kc, vf *acc) {
+    vf a[MR][NR];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NR; c++) a[r][c] = acc[r * NP + c];
+    for (int k = 0; k < kc; k += VW) {
+        vf wv[NR];
+        for (int c = 0; c < NR; c++) {
+            wv[c] = VLOAD(w + c * KC + k);
+            IN_REG(wv[c]);
+        }
+        for (int r = 0; r < R; r++) {
+            vf xv = VLOAD(x + r * ldx + k);
+            IN_REG(xv);
+            for (int c = 0; c < NR; c++) a[r][c] = VFMA(xv, wv[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NR; c++) acc[r * NP + c] = a[r][c];
+}
+
+#define GEMM_ARGS const float *x, int64_t ldx, const float *w, int kc, vf *acc
+static void gemm_tile1(GEMM_ARGS) { gemm_tile(1, x, ldx, w, kc, acc); }
+static void gemm_tile2(GEMM_ARGS) { gemm_tile(2, x, ldx, w, kc, acc); }
+static void gemm_tile3(GEMM_ARGS) { gemm_tile(3, x, ldx, w, kc, acc); }
+static void gemm_tile4(GEMM_ARGS) { gemm_tile(4, x, ldx, w, kc, acc); }
+static void (*const GEMM_TILES[MR + 1])(GEMM_ARGS) = {NULL, gemm_tile1, gemm_tile2, gemm_tile3, gemm_tile4};
+
+/* Rows of x from which the GEMM path runs (tests check each regime's invariance). */
+int zs_qm_gemm_rows(void) { return GEMM_MIN_ROWS; }
+
+/* Output rows [n0, n1) for every row of x, panel by panel (see above). */
+static void run_gemm(const job_t *j, int n0, int n1) {
+    const int be = block_elems(j->fmt);
+    float buf[NP * KC] __attribute__((aligned(64)));
+    vf acc[TB * NP];
+    memset(buf, 0, sizeof buf);  /* rows past a short last panel stay zero */
+    for (int t0 = 0; t0 < j->T; t0 += TB) {
+        const int t1 = t0 + TB < j->T ? t0 + TB : j->T;
+        for (int p0 = n0; p0 < n1; p0 += NP) {
+            const int np = p0 + NP < n1 ? NP : n1 - p0;
+            for (int i = 0; i < (t1 - t0) * NP; i++) acc[i] = VZERO();
+            for (int k0 = 0; k0 < j->K; k0 += KC) {
+                const int kc = k0 + KC < j->K ? KC : j->K - k0;  /* a multiple of the block */
+                for (int i = 0; i < np; i++) {
+                    const int n = p0 + i;
+                    const row_t r = {j->w + n * j->w_stride, j->scales ? j->scales + n * j->s_stride : NULL,
+                                     j->mins ? j->mins + n * j->s_stride : NULL, j->gshift, j->K};
+                    dequant_blocks(j->fmt, &r, k0 / be, (k0 + kc) / be, buf + i * KC);
+                }
+                for (int t = t0; t < t1; t += MR) {
+                    const int R = t1 - t < MR ? t1 - t : MR;
+                    const float *xt = j->x + t * j->ldx + k0;
+                    for (int c = 0; c < NP; c += NR) GEMM_TILES[R](xt, j->ldx, buf + c * KC, kc, acc + (t - t0) * NP + c);
+                }
+            }
+            for (int t = t0; t < t1; t++)
+                for (int i = 0; i < np; i++) j->y[t * j->ldy + p0 + i] = vsum(acc[(t - t0) * NP + i]);
+        }
+    }
+}
+
 /* Thread `id` of `cnt`: its contiguous share of the output rows (no cache line of y is shared
  * but at the edges), in panels of PANEL rows, for blocks of TBLOCK rows of x. */
 static void run(const job_t *j, int id, int cnt) {
     const tile_fn *fns = TILE_FNS[j->fmt];
     const int n0 = (int)((int64_t)j->N * id / cnt), n1 = (int)((int64_t)j->N * (id + 1) / cnt);
+    if (j->T >= GEMM_MIN_ROWS) {
+        run_gemm(j, n0, n1);
+        return;
+    }
     const int be = block_elems(j->fmt), nb = j->K / be;
     vf acc[PANEL][RMAX];
     for (int t0 = 0; t0 < j->T; t0 += TBLOCK) {
@@ -396,37 +514,19 @@ static void lane_sums(const float *x, int64_t ldx, int T, int64_t nch, float *sx
 
 #define SX_STACK 512  /* chunks of lane sums kept on the stack (16-32 KiB) */
 
-/* out[n * ldo + k] = the weight's values as fp32, exactly the torch twin's (QuantizedWeight.
- * dequantize): d * q (+ m), one rounding each, for rows [0, N). For large T a float matmul
+/* out[n * ldo + k] = the weight's values as fp32 for rows [0, N). For large T a float matmul
  * (MKL) on these beats the packed kernel; see kernels/quant.py. */
 int zs_dequantize_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
                       int64_t s_stride, int group, float *out, int64_t ldo, int N, int K, int threads) {
     const int gshift = check_args(fmt, scales, mins, group, 1, N, K);
     if (gshift < 0) return -1;
-    const int be = block_elems(fmt), nb = K / be;
+    const int nb = K / block_elems(fmt);
     const int nt = (int64_t)N * K >= 4 * MIN_WORK && threads > 1 ? threads : 1;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int n = 0; n < N; n++) {
         const row_t r = {w + n * w_stride, scales ? scales + n * s_stride : NULL, mins ? mins + n * s_stride : NULL,
                          gshift, K};
-        float *o = out + n * ldo;
-        for (int b = 0; b < nb; b++) {
-            float d[8], m[8];
-            const int nc = block_prep(fmt, &r, b, d, m);
-            for (int j = 0; j < nc;) {
-                vf q[2][NV];
-                const int got = decode(fmt, &r, b, j, q);
-                for (int u = 0; u < got; u++, j++) {
-                    const int jj = fmt == F_Q4_K ? j : 0;
-                    float *dst = o + (int64_t)b * be + 32 * j;
-                    for (int i = 0; i < NV; i++) {
-                        vf v = VMUL(VSET1(d[jj]), q[u][i]);
-                        if (asym(fmt)) v = VADD(v, VSET1(m[jj]));
-                        memcpy(dst + i * VW, &v, sizeof v);
-                    }
-                }
-            }
-        }
+        dequant_blocks(fmt, &r, 0, nb, out + n * ldo);
     }
     return 0;
 }
@@ -438,7 +538,7 @@ static int prepare(job_t *job, int fmt, int gshift, const uint8_t *w, int64_t w_
                    int N, int K, vf *sx_stack) {
     const int64_t nch = K / 32, sxs = nch * VW;
     float *sx = NULL;
-    if (asym(fmt)) {
+    if (asym(fmt) && T < GEMM_MIN_ROWS) {  /* the GEMM path does not use them */
         sx = T * nch <= SX_STACK ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
         if (sx == NULL) return -2;
         lane_sums(x, ldx, T, nch, sx, sxs);

@@ -171,12 +171,19 @@ def test_rows_cols_threads_and_batch_invariance(fmt):
     split = left.shape[1]
     check_close(left.linear(x[:, :split]), x[:, :split], left.dequantize())
     check_close(left.linear(x[:, :split]) + right.linear(x[:, split:]), x, qw.dequantize())
-    # one row of x alone, or in any batch, gives the same bits; so does any thread count
-    assert torch.equal(qw.linear(x[7:8]), full[7:8])
-    assert torch.equal(qw.linear(x[3:20]), full[3:20])
+    # a row gives the same bits in any batch and with any thread count, within each regime: the
+    # packed kernel below lib.gemm_rows rows, dequantized panels + float GEMM from there on
     lib = cpu_native.quant_lib()
+    assert 1 < lib.gemm_rows <= 20
+    small = qw.linear(x[2:2 + lib.gemm_rows - 1])
+    assert torch.equal(qw.linear(x[7:8]), small[5:6])
+    assert torch.equal(qw.linear(x[3:3 + lib.gemm_rows]), full[3:3 + lib.gemm_rows])
     for threads in (1, 2, 3):
         assert torch.equal(quant.kernel_linear(lib, qw, x, threads=threads), full), threads
+        assert torch.equal(quant.kernel_linear(lib, qw, x[7:8], threads=threads), small[5:6]), threads
+    # the two regimes agree to fp32 rounding
+    check_close(small, x[2:2 + lib.gemm_rows - 1], qw.dequantize())
+    check_close(full, x, qw.dequantize())
 
 
 @native
@@ -218,10 +225,11 @@ def test_portable_build_matches_twin(tmp_path, monkeypatch):
     path = cpu_native._build(cc, cpu_native.QUANT_SOURCE, flags)
     lib = cpu_native.bind_quant(ctypes.CDLL(str(path)))
     assert lib.isa == "portable"
-    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(lib.gemm_rows + 2, 512, generator=torch.Generator().manual_seed(8))
     for fmt in quant.FORMATS:
         qw = make_weight(fmt, 33, 512, seed=1)
-        check_close(quant.kernel_linear(lib, qw, x), x, qw.dequantize())
+        check_close(quant.kernel_linear(lib, qw, x[:9]), x[:9], qw.dequantize())  # packed
+        check_close(quant.kernel_linear(lib, qw, x), x, qw.dequantize())  # dequantized panels + GEMM
     assert cpu_native.quant_lib().isa in ("avx2", "avx512", "portable")
 
 
