@@ -674,6 +674,9 @@ def main(argv=None) -> int:
     if bad:
         print(f"unknown engine(s) {bad}; known: {', '.join(ENGINES)}", file=sys.stderr)
         return 2
+    if len(set(names)) != len(names):  # results are keyed by engine: a repeat would overwrite the first
+        print(f"each engine once in --engines (got {names}); run again for a second measurement", file=sys.stderr)
+        return 2
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     threads = args.threads or os.cpu_count() or 1
     if args.list:

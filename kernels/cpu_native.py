@@ -47,7 +47,9 @@ QUANT_SOURCE = CSRC / "qmatmul.c"
 QUANT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
                 "-ffp-contract=off"]
 OPS_SOURCE = CSRC / "cpu_ops.c"
-OPS_CFLAGS = QUANT_CFLAGS  # the same reason: the twins' roundings, operation by operation
+# the same reason (the twins' roundings, operation by operation); no trapping math lets SiLU's
+# clamped exp vectorize (selects), which moves no value
+OPS_CFLAGS = QUANT_CFLAGS + ["-fno-trapping-math"]
 STEP_SOURCE = CSRC / "decode_step.c"  # includes cpu_ops.c: built with its flags
 
 _lock = threading.Lock()

@@ -9,7 +9,7 @@
  * -ffp-contract=off so nothing is fused or reordered: the add, the rotary products and
  * differences, the norm's scaling (w * (x * r)) and the cache copies give the twin's bits. Two
  * places may differ by rounding only: RMSNorm's sum of squares is taken in 8 lane sums (torch
- * has its own reduction order), and SiLU's exp is libm's expf (torch uses its own vector exp).
+ * has its own reduction order), and SiLU's exp is csrc/vexp.h's polynomial (~1 ulp; torch uses its own vector exp).
  *
  * Rows may be strided (q, k, v are views of one qkv matmul output): every row pointer is
  * base + row * row_stride (+ head * head_stride), in elements. Built on first use by
@@ -18,6 +18,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "vexp.h"  /* zs_expf: SiLU's exp, vectorizable */
 
 #define LANES 8
 #define PAR_MIN 65536  /* elements below which threads cost more than they save */
@@ -100,8 +102,9 @@ int zs_silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t ldo, in
     for (int t = 0; t < T; t++) {
         const float *g = x + t * ldx, *u = g + I;
         float *o = out + t * ldo;
+#pragma omp simd  /* g, u and o never overlap */
         for (int i = 0; i < I; i++) {
-            const float s = g[i] / (1.0f + expf(-g[i]));
+            const float s = g[i] / (1.0f + zs_expf(-g[i]));
             o[i] = s * u[i];
         }
     }

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vexp.h"  /* zs_expf */
+
 #define MAX_GROUP 32   /* query heads per kv head */
 #define MAX_DIM 256    /* head_dim */
 #define CHUNK 32       /* keys scored per pass: the scores stay in L1 */
@@ -53,25 +55,6 @@ static inline void dot4(const float *restrict q, const float *restrict k0, const
     out[1] = s1;
     out[2] = s2;
     out[3] = s3;
-}
-
-/* exp(x) for x <= 0 to ~1 ulp, written so that loops over it vectorize (libm's expf does not
- * without -ffast-math): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -174,13 +157,13 @@ static void decode_one(const float *restrict q, const float *restrict kc, const 
         for (int g = 0; g < grp; g++) {
             float mx = m[g];
             for (int i = 0; i < n; i++) mx = s[g][i] > mx ? s[g][i] : mx;
-            const float corr = exp_neg(m[g] - mx);
+            const float corr = zs_expf(m[g] - mx);
             m[g] = mx;
             l[g] *= corr;
             for (int d = 0; d < D; d++) acc[g][d] *= corr;
             float sum = 0.f;
             for (int i = 0; i < n; i++) {
-                s[g][i] = exp_neg(s[g][i] - mx);
+                s[g][i] = zs_expf(s[g][i] - mx);
                 sum += s[g][i];
             }
             l[g] += sum;

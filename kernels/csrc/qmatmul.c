@@ -20,7 +20,7 @@
  * GGUF formats are llama.cpp's block layouts byte for byte.
  *
  * Arithmetic (fp32 throughout): per chunk c with scale d, offset m and codes q (q - 8 for Q4_0),
- *   acc += d * (x_c . q_c) [+ m * sum(x_c) for Q4_1, Q4_K, INT4]
+ *   acc = fma(d, x_c . q_c, acc) [then acc = fma(m, sum(x_c), acc) for Q4_1, Q4_K, INT4]
  * where x_c . q_c is a fixed tree over vector lanes, sum(x_c) is taken in the same lane order,
  * acc is one vector per (t, n) accumulated over K in order, and its lanes are summed at the
  * end. Versus dequantize-then-matmul this only moves roundings (scale applied per chunk, not
@@ -267,9 +267,9 @@ INLINE vf lanesum32(const float *x) {
 }
 
 /* Blocks [b0, b1) of one weight row against R rows of x (x, sx at the row starts), accumulated
- * into acc[r]: per chunk c, acc += d_c * (x_c . q_c) (+ m_c * lanesum(x_c)). One vector chain per
- * (row of x, row of w) over K in order, so how K is sliced and rows are tiled does not change
- * the result. sx[r * sxs + c * VW ...] holds lanesum32 of chunk c. */
+ * into acc[r]: per chunk c, acc = fma(d_c, x_c . q_c, acc), then acc = fma(m_c, lanesum(x_c),
+ * acc). One vector chain per (row of x, row of w) over K in order, so how K is sliced and rows
+ * are tiled does not change the result. sx[r * sxs + c * VW ...] holds lanesum32 of chunk c. */
 INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *x, int64_t ldx,
                  const float *sx, int64_t sxs, vf *acc) {
     vf a[RMAX];
@@ -288,10 +288,8 @@ INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *
                 const vf vd = VSET1(d[jj]);
                 if (asym(fmt)) {
                     const vf vm = VSET1(m[jj]);
-                    for (int r = 0; r < R; r++) {
-                        const vf p = VMUL(vd, dot32(w[u], x + r * ldx + c * 32));
-                        a[r] = VADD(a[r], VFMA(vm, VLOAD(sx + r * sxs + c * VW), p));
-                    }
+                    for (int r = 0; r < R; r++)
+                        a[r] = VFMA(vm, VLOAD(sx + r * sxs + c * VW), VFMA(vd, dot32(w[u], x + r * ldx + c * 32), a[r]));
                 } else {
                     for (int r = 0; r < R; r++) a[r] = VFMA(vd, dot32(w[u], x + r * ldx + c * 32), a[r]);
                 }
