@@ -152,6 +152,10 @@ class Output(Message):
     stop_reason: str | int | None = None
     prompt_token_ids: I32 | None = None  # first chunk of a request only
     num_cached_tokens: Count = 0
+    # first chunk only: seconds from the scheduler's receipt of the request to this chunk leaving
+    # it (queueing, prefill and the first token inside the cluster; what a client sees on top
+    # of it is transport: benchmarks/serve.py tells the gateway's share apart with it)
+    first_token_latency: float | None = None
 
     def check(self) -> str | None:
         if type(self.token_ids) is not list:  # an array or tuple from the sender
@@ -166,6 +170,8 @@ class Output(Message):
                 return f"logprobs shape {self.logprobs.shape} does not fit {n} tokens (n_tokens, 1+k)"
         if self.ranks is not None and self.ranks.shape[0] != n:
             return f"ranks has {self.ranks.shape[0]} entries for {n} tokens"
+        if self.first_token_latency is not None and not 0.0 <= self.first_token_latency < 1e9:
+            return f"first_token_latency {self.first_token_latency} is not a duration in seconds"
         return None
 
 

@@ -50,3 +50,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # seconds from the scheduler's receipt of the request to its first token leaving the
+    # scheduler (None from engines without one, e.g. the offline LLM)
+    first_token_latency: float | None = None

@@ -193,6 +193,31 @@ def test_streaming_completions_sync_and_async(env, oai, model_id):
     assert texts == [whole.choices[0].text] * 4 and plain == whole.choices[0].text
 
 
+def test_first_token_latency_reaches_stream_clients(env, model_id):
+    """The cluster's own receipt-to-first-token time: a header on streamed HTTP responses and on
+    AsyncClient's first delta (benchmarks/serve.py subtracts it to see the gateway's share)."""
+    body = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", env[1]["main"] + "/v1/completions", json=body, timeout=60.0) as r:
+        assert r.status_code == 200
+        lat = float(r.headers["zeroserve-first-token-latency"])
+        list(r.iter_lines())
+    assert 0.0 < lat < time.perf_counter() - t0
+
+    async def direct():
+        from zeroserve import AsyncClient, SamplingParams
+
+        async with AsyncClient(env[0].address) as c:
+            deltas = [d async for d in c.stream("Once upon a time", SamplingParams(max_tokens=4))]
+            whole = await c.generate("Once upon a time", SamplingParams(max_tokens=4))
+        return deltas, whole
+
+    deltas, whole = asyncio.run(direct())
+    assert deltas[0].first_token_latency is not None and deltas[0].first_token_latency > 0.0
+    assert all(d.first_token_latency is None for d in deltas[1:])
+    assert whole.first_token_latency is not None and whole.first_token_latency > 0.0
+
+
 def test_chat_completions(oai, model_id):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     r = oai.chat.completions.create(model=model_id, messages=msgs, max_completion_tokens=10, temperature=0,

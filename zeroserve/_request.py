@@ -31,7 +31,9 @@ class StreamDelta:
     ``text`` and ``token_ids`` are deltas; the last delta of each index has ``finish_reason``
     ("stop", "length" or "abort"). ``logprobs`` (one dict per new token, like
     ``CompletionOutput.logprobs``) is None unless ``SamplingParams.logprobs`` was set.
-    ``prompt_token_ids`` / ``num_cached_tokens`` ride on the first delta of the request only.
+    ``prompt_token_ids`` / ``num_cached_tokens`` / ``first_token_latency`` (seconds from the
+    scheduler's receipt of the request to its first token leaving the scheduler) ride on the first
+    delta of the request only.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class StreamDelta:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_token_ids: list[int] | None = None
     num_cached_tokens: int = 0
+    first_token_latency: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,7 @@ class _Req:
         "fin",
         "finish",
         "first_delta",
+        "first_latency",
         "frames",
         "n",
         "nonce0",
@@ -142,6 +146,7 @@ class _Req:
         self.sent_ids = sent_ids
         self.prompt_ids: np.ndarray | None = None
         self.num_cached = 0
+        self.first_latency: float | None = None
         self.parts: list[list[P.Output]] | None = None if streaming else [[] for _ in range(self.n)]
         self.queue: collections.deque | None = collections.deque() if streaming else None
         self.waiter: asyncio.Future | None = None  # stream consumer waiting for an item
@@ -169,6 +174,7 @@ class _Req:
         if self.prompt_ids is None and item.prompt_token_ids is not None:
             self.prompt_ids = item.prompt_token_ids
             self.num_cached = item.num_cached_tokens
+            self.first_latency = item.first_token_latency
         i = item.index
         if i >= self.n:
             log.warning("output for completion %d of request %r, which asked for n=%d; dropped", i, self.rid, self.n)
@@ -212,6 +218,7 @@ class _Req:
             self.first_delta = False
             d.prompt_token_ids = self._prompt_ids()
             d.num_cached_tokens = self.num_cached
+            d.first_token_latency = self.first_latency
         return d
 
     def _prompt_ids(self) -> list[int]:
@@ -236,6 +243,6 @@ class _Req:
             outs.append(CompletionOutput(i, "".join([it.text for it in items]), toks, self.finish[i], lps,
                                          self.stop[i]))
         return RequestOutput(self.rid, self.prompt, self._prompt_ids(), outs, finished=True,
-                             num_cached_tokens=self.num_cached)
+                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency)
 
 

@@ -164,9 +164,9 @@ async def _respond(gw, chat: bool, body: bytes, send, chunk_send) -> None:
         return await api_error(e).send(send)
     if isinstance(result, dict):
         return await send_json(send, result)
-    chunks, streams = result
+    chunks, streams, extra = result
     try:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + extra})
         async for chunk in chunks:
             last = chunk.endswith(_DONE)  # the end of the response rides on the last write
             await chunk_send({"type": "http.response.body", "body": chunk, "more_body": not last})
@@ -278,7 +278,7 @@ async def _completions(gw, req: CompletionRequest):
         out.append(_DONE)
         yield b"".join(out)
 
-    return events(), streams
+    return events(), streams, _latency_header(firsts)
 
 
 # ================================================================ chat
@@ -335,7 +335,7 @@ async def _chat(gw, req: ChatCompletionRequest):
         out.append(_DONE)
         yield b"".join(out)
 
-    return events(), streams
+    return events(), streams, _latency_header(firsts)
 
 
 # ================================================================ streams
@@ -365,6 +365,13 @@ async def _prefetch(streams: list) -> list:
             await s.aclose()
         raise errors[0]
     return results
+
+
+def _latency_header(firsts: list) -> list[tuple[bytes, bytes]]:
+    """The cluster's own time to the first token (the slowest prompt's), as a response header: a
+    client subtracts it from the TTFT it saw to get what the transport (this gateway) added."""
+    lat = [d.first_token_latency for d in firsts if getattr(d, "first_token_latency", None) is not None]
+    return [(b"zeroserve-first-token-latency", f"{max(lat):.6f}".encode())] if lat else []
 
 
 async def _chain(firsts: list, streams: list) -> AsyncIterator[tuple[int, Any, bool]]:

@@ -10,6 +10,8 @@ tokens; its `DetokOutputs` becomes one `Output` per sequence, batched per client
 
 from __future__ import annotations
 
+import time
+
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -306,6 +308,7 @@ class Delivery:
             live.sent_first = True
             o.prompt_token_ids = np.asarray(live.prompt_ids, np.int32)
             o.num_cached_tokens = max(x.req.num_cached_tokens for x in live.seqs)
+            o.first_token_latency = max(0.0, time.monotonic() - live.created)
         self.out_buf.setdefault(live.client, []).append(o)
 
     def flush(self, ob: Outbox) -> None:
