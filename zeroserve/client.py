@@ -406,9 +406,20 @@ class AsyncClient:
             try:
                 t = type(msg)
                 if t is P.Outputs:
+                    # requests getting their first output go first: their consumers wake first,
+                    # ahead of the other streams' deltas of this step (TTFT; a request's own
+                    # items keep their order)
+                    later = []
                     for item in msg.items:
                         r = reqs.get(item.request_id)
-                        if r is not None and r.feed(item):
+                        if r is None:
+                            continue
+                        if r.started:
+                            later.append((r, item))
+                        elif r.feed(item):
+                            self._end(r)
+                    for r, item in later:
+                        if r.feed(item):
                             self._end(r)
                 elif t is P.Pong:
                     self._on_pong(msg)

@@ -180,26 +180,32 @@ async def _respond(gw, chat: bool, body: bytes, send, chunk_send) -> None:
 
 
 async def _until_disconnect(receive, coro):
-    """Run `coro`; cancel it (the client aborts its cluster requests) if the HTTP client leaves."""
-    task = asyncio.ensure_future(coro)
+    """Run `coro` in this task (a task of its own would start one loop turn later, behind every
+    stream's writes of that turn: measured ~10 ms of TTFT at 64 streams); a watcher cancels it
+    (the client aborts its cluster requests) if the HTTP client leaves meanwhile."""
+    me = asyncio.current_task()
+    state = {"running": True, "left": False}
 
     async def watch():
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
+                if state["running"]:  # only while `coro` waits: never cancel what runs after it
+                    state["left"] = True
+                    me.cancel()
                 return
 
     watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():  # the client left (or we were cancelled): abort its cluster requests
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if not task.done() or task.cancelled():
+        return await coro
+    except asyncio.CancelledError:
+        if not state["left"]:
+            raise
+        me.uncancel()  # our own cancellation, for the client that left: not the caller's
         return None
-    return task.result()
+    finally:
+        state["running"] = False
+        watcher.cancel()
 
 
 # ================================================================ completions
