@@ -419,7 +419,7 @@ class AsyncClient:
                         elif r.feed(item):
                             self._end(r)
                     for r, item in later:
-                        if r.feed(item):
+                        if not r.ended and r.feed(item):  # ended in the first pass: dropped, as before
                             self._end(r)
                 elif t is P.Pong:
                     self._on_pong(msg)

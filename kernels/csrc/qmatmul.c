@@ -367,7 +367,7 @@ INLINE void dequant_blocks(int fmt, const row_t *r, int b0, int b1, float *out) 
 #define NP (4 * NR)  /* weight rows per panel: NP / NR micro-tiles of NR */
 #define MR 4    /* rows of x per micro-tile: MR * NR accumulators + MR x vectors + 1 = 16 registers */
 #define KC 1024 /* columns per panel (48 KiB of fp32, L1/L2): K up to KC keeps the sums in registers */
-#define TB 96   /* rows of x per pass (their accumulators: TB * NP vectors, 48 KiB) */
+#define TB 96   /* rows of x per pass (their accumulators: TB * NP vectors, 36 KiB AVX2, 72 KiB AVX-512) */
 
 /* Keeps a loaded vector in a register: left alone, gcc folds the load into each FMA that uses
  * it, MR loads instead of one (load-port bound). */
@@ -413,7 +413,8 @@ static void run_gemm(const job_t *j, int n0, int n1) {
     const int be = block_elems(j->fmt);
     float buf[NP * KC] __attribute__((aligned(64)));
     vf acc[TB * NP];
-    memset(buf, 0, sizeof buf);  /* rows past a short last panel stay zero */
+    memset(buf, 0, sizeof buf);  /* finite values in the rows past a short last panel (zeros or an
+                                  * earlier panel's weights): their columns are computed, not stored */
     for (int t0 = 0; t0 < j->T; t0 += TB) {
         const int t1 = t0 + TB < j->T ? t0 + TB : j->T;
         for (int p0 = n0; p0 < n1; p0 += NP) {

@@ -199,13 +199,19 @@ async def _until_disconnect(receive, coro):
     try:
         return await coro
     except asyncio.CancelledError:
+        # ours (the client left) is taken back; one from the caller too (uvicorn shutting down)
+        # still propagates
         if not state["left"]:
             raise
-        me.uncancel()  # our own cancellation, for the client that left: not the caller's
+        state["left"] = False
+        if me.uncancel() > 0:
+            raise
         return None
     finally:
         state["running"] = False
         watcher.cancel()
+        if state["left"]:  # `coro` swallowed our cancellation: take it back all the same
+            me.uncancel()
 
 
 # ================================================================ completions

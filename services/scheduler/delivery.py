@@ -282,7 +282,7 @@ class Delivery:
             toks = s.req.output_token_ids[start:start + entry[rid].count]
             s.delivered += len(toks)
             s.chars += len(text)
-            self.output(live, s, toks, text, reason, s.req.stop_reason if reason == "stop" else None, start)
+            self.output(live, s, toks, text, reason, s.req.stop_reason if reason == "stop" else None, start, now)
             if self.metrics is not None:
                 self.metrics.output(live, s, len(toks), now)
             if reason is not None:
@@ -294,7 +294,7 @@ class Delivery:
 
     # ================================================================ clients
     def output(self, live: Live, s: Seq, toks: list[int], text: str, reason: str | None, stop_reason,
-               lp_start: int | None = None) -> None:
+               lp_start: int | None = None, now: float | None = None) -> None:
         o = P.Output(request_id=live.request_id, index=s.req.index, token_ids=toks, text=text,
                      finish_reason=reason, stop_reason=stop_reason)
         if lp_start is not None and live.params.logprobs is not None and toks:
@@ -308,7 +308,8 @@ class Delivery:
             live.sent_first = True
             o.prompt_token_ids = np.asarray(live.prompt_ids, np.int32)
             o.num_cached_tokens = max(x.req.num_cached_tokens for x in live.seqs)
-            o.first_token_latency = max(0.0, time.monotonic() - live.created)
+            if toks:  # a first Output without tokens (an abort) has no first-token time
+                o.first_token_latency = max(0.0, (time.monotonic() if now is None else now) - live.created)
         self.out_buf.setdefault(live.client, []).append(o)
 
     def flush(self, ob: Outbox) -> None:
