@@ -54,10 +54,12 @@ _FORMATS = {
     "int4": (5, 32, 16),
 }
 FORMATS = tuple(_FORMATS)
-# rows of x from which QuantizedWeight.linear multiplies the dequantized weight with a float GEMM
-# instead of the packed kernel: measured crossover 48-64 rows on 2 AVX2 cores (SmolLM2 shapes, C
-# dequantize ~3 ms for 3072x576, MKL sgemm ~100 GFLOP/s vs the kernel's ~55); the two
-# round differently, so a request's numerics depend on whether its step had this many rows
+# rows of x from which QuantizedWeight.linear dequantizes the whole weight and multiplies it with
+# torch's float GEMM (MKL) instead of the C kernel (whose own dequantized-panel GEMM runs from
+# 16 rows): side by side on 2 AVX2 cores (SmolLM2's layer shapes, Q4_1) the two were even at
+# 128 rows (44.8 vs 46.2 GMAC/s) and MKL ahead from there (512: 56.1 vs 42.3, 2048: 58.5 vs
+# 45.1); the two round differently, so a request's numerics depend on whether its step had
+# this many rows
 FLOAT_MATMUL_MIN_ROWS = 64
 # GGMLQuantizationType values (ggml.h) of the GGUF types we read
 GGML_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k"}
@@ -253,8 +255,8 @@ class QuantizedWeight:
         if lib is None:
             return F.linear(x, self.dequantize(x.dtype).to(x.device), bias)
         if x.numel() >= FLOAT_MATMUL_MIN_ROWS * self.shape[1]:
-            # many rows (prefill): a float GEMM on the dequantized weight runs ~2x the packed
-            # kernel's FLOP rate, and unpacking once is cheap next to it (benchmarks/quant_matmul.py)
+            # many rows (prefill): MKL on the dequantized weight (see FLOAT_MATMUL_MIN_ROWS);
+            # unpacking once is cheap next to it
             return F.linear(x, self.dequantize(x.dtype), bias)
         y = kernel_linear(lib, self, x if x.dtype == torch.float32 else x.float())
         if bias is not None:

@@ -9,7 +9,8 @@
  * -ffp-contract=off so nothing is fused or reordered: the add, the rotary products and
  * differences, the norm's scaling (w * (x * r)) and the cache copies give the twin's bits. Two
  * places may differ by rounding only: RMSNorm's sum of squares is taken in 8 lane sums (torch
- * has its own reduction order), and SiLU's exp is csrc/vexp.h's polynomial (~1 ulp; torch uses its own vector exp).
+ * has its own reduction order), and SiLU's exp is csrc/vexp.h's polynomial (~1 ulp; torch uses
+ * its own vector exp).
  *
  * Rows may be strided (q, k, v are views of one qkv matmul output): every row pointer is
  * base + row * row_stride (+ head * head_stride), in elements. Built on first use by

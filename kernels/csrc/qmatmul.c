@@ -328,6 +328,12 @@ typedef struct {
     float *y;
 } job_t;
 
+/* Row n of the job's weight. */
+INLINE row_t job_row(const job_t *j, int n) {
+    return (row_t){j->w + n * j->w_stride, j->scales ? j->scales + n * j->s_stride : NULL,
+                   j->mins ? j->mins + n * j->s_stride : NULL, j->gshift, j->K};
+}
+
 /* Blocks [b0, b1) of one weight row as fp32, exactly the torch twin's values (QuantizedWeight.
  * dequantize): d * q (+ m), one rounding each; block b0's first element goes to out[0]. */
 INLINE void dequant_blocks(int fmt, const row_t *r, int b0, int b1, float *out) {
@@ -355,9 +361,10 @@ INLINE void dequant_blocks(int fmt, const row_t *r, int b0, int b1, float *out) 
 }
 
 /* Many rows of x (T >= GEMM_MIN_ROWS): dequantizing a panel of NP weight rows x KC columns into
- * an L1-sized buffer and running a register-blocked float GEMM on it does 4 vector FMAs per
+ * an L1/L2-sized buffer and running a register-blocked float GEMM on it does 4 vector FMAs per
  * 32-element chunk and row of x, where the packed tile above does 8 operations (its scale and
- * offset per chunk): measured ~2x at 32 rows (benchmarks/quant_matmul.py). The weights it uses
+ * offset per chunk): measured 1.3-1.5x the packed tile at 32 rows (benchmarks/quant_matmul.py:
+ * SmolLM2's step linears at T = 32, Q4_1, 187-243 ms packed -> 115.6 ms). The weights it uses
  * are exactly the dequantized values, so the result is the float matmul's up to summation order:
  * per (t, n) one vector of partial sums over k in order (lane l: k = l mod VW), its lanes summed
  * at the end -- the same for every t, T >= GEMM_MIN_ROWS, tiling and thread count, but not the
@@ -423,9 +430,7 @@ static void run_gemm(const job_t *j, int n0, int n1) {
             for (int k0 = 0; k0 < j->K; k0 += KC) {
                 const int kc = k0 + KC < j->K ? KC : j->K - k0;  /* a multiple of the block */
                 for (int i = 0; i < np; i++) {
-                    const int n = p0 + i;
-                    const row_t r = {j->w + n * j->w_stride, j->scales ? j->scales + n * j->s_stride : NULL,
-                                     j->mins ? j->mins + n * j->s_stride : NULL, j->gshift, j->K};
+                    const row_t r = job_row(j, p0 + i);
                     dequant_blocks(j->fmt, &r, k0 / be, (k0 + kc) / be, buf + i * KC);
                 }
                 for (int t = t0; t < t1; t += MR) {
@@ -465,8 +470,7 @@ static void run(const job_t *j, int id, int cnt) {
                 for (int b = 0; b < nb; b += bps) {
                     const int b1 = b + bps < nb ? b + bps : nb;
                     for (int n = p0; n < p1; n++) {
-                        const row_t r = {j->w + n * j->w_stride, j->scales ? j->scales + n * j->s_stride : NULL,
-                                         j->mins ? j->mins + n * j->s_stride : NULL, j->gshift, j->K};
+                        const row_t r = job_row(j, n);
                         for (int i = 3, r0 = 0; i >= 0; i--)  /* R as 8 + 4 + 2 + 1 */
                             if (R & (1 << i)) {
                                 fns[i](&r, b, b1, xt + r0 * j->ldx, j->ldx, st ? st + r0 * j->sxs : NULL, j->sxs,
@@ -521,10 +525,11 @@ int zs_dequantize_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *
     if (gshift < 0) return -1;
     const int nb = K / block_elems(fmt);
     const int nt = (int64_t)N * K >= 4 * MIN_WORK && threads > 1 ? threads : 1;
+    const job_t j = {.fmt = fmt, .gshift = gshift, .N = N, .K = K, .w = w, .w_stride = w_stride,
+                     .s_stride = s_stride, .scales = scales, .mins = mins};
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int n = 0; n < N; n++) {
-        const row_t r = {w + n * w_stride, scales ? scales + n * s_stride : NULL, mins ? mins + n * s_stride : NULL,
-                         gshift, K};
+        const row_t r = job_row(&j, n);
         dequant_blocks(fmt, &r, 0, nb, out + n * ldo);
     }
     return 0;

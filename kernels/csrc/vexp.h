@@ -7,7 +7,6 @@
 #define ZS_VEXP_H
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 static inline float zs_expf(float x) {
     x = x < -87.0f ? -87.0f : x;  /* two selects: fminf / fmaxf would not vectorize */

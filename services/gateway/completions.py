@@ -184,14 +184,15 @@ async def _until_disconnect(receive, coro):
     stream's writes of that turn: measured ~10 ms of TTFT at 64 streams); a watcher cancels it
     (the client aborts its cluster requests) if the HTTP client leaves meanwhile."""
     me = asyncio.current_task()
-    state = {"running": True, "left": False}
+    running, left = True, False
 
     async def watch():
+        nonlocal left
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                if state["running"]:  # only while `coro` waits: never cancel what runs after it
-                    state["left"] = True
+                if running:  # only while `coro` waits: never cancel what runs after it
+                    left = True
                     me.cancel()
                 return
 
@@ -201,16 +202,16 @@ async def _until_disconnect(receive, coro):
     except asyncio.CancelledError:
         # ours (the client left) is taken back; one from the caller too (uvicorn shutting down)
         # still propagates
-        if not state["left"]:
+        if not left:
             raise
-        state["left"] = False
+        left = False
         if me.uncancel() > 0:
             raise
         return None
     finally:
-        state["running"] = False
+        running = False
         watcher.cancel()
-        if state["left"]:  # `coro` swallowed our cancellation: take it back all the same
+        if left:  # `coro` swallowed our cancellation: take it back all the same
             me.uncancel()
 
 

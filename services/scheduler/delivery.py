@@ -10,8 +10,6 @@ tokens; its `DetokOutputs` becomes one `Output` per sequence, batched per client
 
 from __future__ import annotations
 
-import time
-
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -308,8 +306,8 @@ class Delivery:
             live.sent_first = True
             o.prompt_token_ids = np.asarray(live.prompt_ids, np.int32)
             o.num_cached_tokens = max(x.req.num_cached_tokens for x in live.seqs)
-            if toks:  # a first Output without tokens (an abort) has no first-token time
-                o.first_token_latency = max(0.0, (time.monotonic() if now is None else now) - live.created)
+            if toks and now is not None:  # a first Output without tokens (an abort) has no first-token time
+                o.first_token_latency = max(0.0, now - live.created)
         self.out_buf.setdefault(live.client, []).append(o)
 
     def flush(self, ob: Outbox) -> None:
