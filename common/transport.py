@@ -44,6 +44,20 @@ TCP_KEEPALIVE_INTVL_S = 10
 TCP_KEEPALIVE_CNT = 3
 
 _TOPIC_FIRST = (zmq.PUB, zmq.XPUB, zmq.SUB, zmq.XSUB)
+_SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+_sync_send = zmq.Socket.send
+
+
+def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
+    """``sock.send_multipart(frames, flags, copy=False)`` without its per-frame Flag-enum
+    arithmetic and checks: 5 us instead of 16 for a 3-frame message on the dev box, paid on
+    every message of the services. ZeroMQ queues a multipart message whole or not at all
+    (the high-water mark is checked at its first frame), so an error comes before anything
+    was queued. Blocking sockets only: a zmq.asyncio socket must send through its own
+    futures, which re-check its edge-triggered events afterwards."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _sync_send(sock, f, flags | _SNDMORE if i < last else flags, copy=False)
 
 
 def make_context(io_threads: int = 1, *, asyncio_ctx: bool = False) -> zmq.Context:
@@ -220,7 +234,7 @@ class Channel:
     def send(self, msg: Any, to: bytes | None = None) -> None:
         """Blocking send. Raises ProtocolError for a message that cannot be encoded and
         zmq.ZMQError(EHOSTUNREACH) on a ROUTER for a peer that is gone."""
-        self.sock.send_multipart(self.frames(msg, to), copy=False)
+        send_frames(self.sock, self.frames(msg, to))
 
     def try_send(self, msg: Any, to: bytes | None = None) -> bool:
         """Non-blocking send for loops that must never stall: False when the peer is gone, its
@@ -229,7 +243,7 @@ class Channel:
 
     def try_send_frames(self, frames: list) -> bool:
         try:
-            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.sock, frames, NOBLOCK)
             return True
         except zmq.Again:
             return False

@@ -435,12 +435,26 @@ async def test_stream_error_after_some_deltas(peers):
     assert [d.text for d in got] == ["a", "b"]
 
 
+def test_split_prompt_forms_agree():
+    """The list fast path and the general path give the same ids and the same refusals."""
+    from services.scheduler.admission import split_prompt
+
+    ids = [0, 5, 2**31 - 1]
+    for form in (ids, tuple(ids), np.array(ids, np.int64), {"prompt_token_ids": ids}):
+        text, arr = split_prompt(form)
+        assert text is None and arr.dtype == np.int32 and arr.tolist() == ids
+    assert split_prompt([np.int64(3), 4])[1].tolist() == [3, 4]  # numpy scalars take the general path
+    for bad in ([-1], [2**31], (2**31,), [3, 7], (7,)):
+        with pytest.raises(InvalidRequest, match=r"\[0, 7\)" if 7 in bad else r"\[0, 2147483648\)"):
+            split_prompt(bad, vocab_size=7 if 7 in bad else None)
+
+
 async def test_client_side_validation_fails_fast(peers):
     peer = peers(simple_script())
     async with AsyncClient(peer.address, timeout_s=WAIT) as c:
         bad = [("x", {"temperature": -1}), ("x", {"nope": 1}), ("x", {"max_tokens": "3"}), ("x", 3),
                ("", None), ([], None), ([1.5], None), ([-1], None), ([[1, 2]], None), ({"text": "x"}, None),
-               (None, None), ([2**40], None)]
+               (None, None), ([2**40], None), ([2**31], None), ([1, True], None), ([True], None), ([1, "2"], None)]
         for prompt, params in bad:
             with pytest.raises(InvalidRequest):
                 await c.generate(prompt, params)

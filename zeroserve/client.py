@@ -96,6 +96,15 @@ def _swallow(fut: asyncio.Future) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+class _Checked:
+    """A prompt that `stream()` has split and checked already (and its params), for `_submit`."""
+
+    __slots__ = ("split",)
+
+    def __init__(self, split: tuple) -> None:
+        self.split = split
+
+
 class AsyncClient:
     """asyncio client for a zeroserve cluster; see the module docstring.
 
@@ -231,8 +240,11 @@ class AsyncClient:
     def _submit(self, prompt: Any, params: Any, request_id: str | None, request_timeout_s: float | None,
                 streaming: bool) -> _Req:
         msgs = prompt.messages if isinstance(prompt, Conversation) else None
-        text, ids = (None, None) if msgs is not None else split_prompt(prompt)
-        sp = _check_params(params)
+        if isinstance(prompt, _Checked):  # stream() checked both already
+            (text, ids), sp = prompt.split, params
+        else:
+            text, ids = (None, None) if msgs is not None else split_prompt(prompt)
+            sp = _check_params(params)
         timeout = _check_timeout("request_timeout_s", request_timeout_s)
         if timeout is None:
             timeout = self.request_timeout_s
@@ -304,8 +316,8 @@ class AsyncClient:
                *, request_timeout_s: float | None = None) -> AsyncStream:
         """An async iterator of StreamDelta; the request is sent on the first ``__anext__``.
         Leaving early (break, ``aclose()``, cancellation) aborts the request."""
-        if not isinstance(prompt, Conversation):
-            split_prompt(prompt)  # fail fast, before anything is iterated
+        if not isinstance(prompt, Conversation):  # fail fast, before anything is iterated
+            prompt = _Checked(split_prompt(prompt))
         params = _check_params(params)
         _check_timeout("request_timeout_s", request_timeout_s)
         return AsyncStream(self, prompt, params, request_id, request_timeout_s)

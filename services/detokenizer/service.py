@@ -24,6 +24,7 @@ from common.curve import curve_client_keys
 from common.detokenize import IncrementalDetokenizer
 from common.errors import InvalidRequest
 from common.log import get_logger, setup_logging
+from common.memory import freeze_startup_heap
 from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_decoder
@@ -58,6 +59,7 @@ class DetokenizerService:
         return tok
 
     def run(self) -> int:
+        freeze_startup_heap()
         ctx = zmq.Context()
         # IMMEDIATE: HELLOs and heartbeats are only queued on a live connection (none pile up for a
         # scheduler that is away, each to be answered "rejoin" later)

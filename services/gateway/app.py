@@ -34,6 +34,7 @@ disable_created_metrics()
 from common.config import GatewayArgs
 from common.errors import InvalidRequest, ZeroserveError
 from common.log import get_logger
+from common.memory import freeze_startup_heap
 from services.gateway import completions
 from services.gateway.completions import now as _now
 from services.gateway.errors import (
@@ -140,6 +141,7 @@ class Gateway:
             self.cfg.scheduler, timeout_s=self.cfg.timeout_s, curve_keys=self.cfg.curve_keys,
             curve_client_name=self.cfg.curve_client))
         self.client = make()
+        freeze_startup_heap()
         if self.cfg.models:  # load the tokenizer(s) in the background: the first logprobs request need not wait
             self._warm = asyncio.ensure_future(self._warm_tokenizers())
 
@@ -220,6 +222,7 @@ class Gateway:
                                "no_tokenizer")
             if tok is not None:
                 self._tokenizers[model] = tok
+                freeze_startup_heap()  # a tokenizer is ~10^5 objects that live as long as we do
             return tok
 
     def _model_dirs(self) -> dict[str, str]:

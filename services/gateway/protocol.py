@@ -99,8 +99,8 @@ class CompletionRequest(_Sampling):
             return [p]
         if not p:
             raise InvalidRequest("prompt is empty; send some text or token ids")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
+        if isinstance(p[0], int):  # validated as one member of the union: every item is alike
+            return [p]
         return list(p)
 
     def sampling_params(self) -> SamplingParams:

@@ -60,6 +60,13 @@ def split_prompt(prompt: Any, vocab_size: int | None = None) -> tuple[str | None
     if not isinstance(prompt, (list, tuple, np.ndarray)):
         raise InvalidRequest(f"a prompt is text, a list of token ids or {{'prompt_token_ids': [...]}}, "
                              f"got {type(prompt).__name__}")
+    hi = INT32_MAX + 1 if vocab_size is None else vocab_size
+    if type(prompt) is list and prompt and set(map(type, prompt)) == _JUST_INT:
+        # the common form (JSON, the clients), checked at C speed: a Python loop over the ids
+        # was the largest per-request cost of the gateway (56 us for 128 ids, twice a request)
+        if min(prompt) < 0 or max(prompt) >= hi:
+            raise InvalidRequest(_id_range_error(hi, vocab_size))
+        return None, np.array(prompt, dtype=np.int32)
     if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) or not isinstance(t, (int, np.integer))
                                                   for t in prompt):
         raise InvalidRequest("prompt token ids must be a non-empty flat list of integers")
@@ -69,11 +76,17 @@ def split_prompt(prompt: Any, vocab_size: int | None = None) -> tuple[str | None
         arr = np.asarray([], dtype=object)
     if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
         raise InvalidRequest("prompt token ids must be a non-empty flat list of integers")
-    hi = INT32_MAX + 1 if vocab_size is None else vocab_size
     if int(arr.min()) < 0 or int(arr.max()) >= hi:
-        raise InvalidRequest(f"prompt token ids must be integers in [0, {hi})"
-                             + (" (and below the model's vocab size)" if vocab_size is None else " for this model"))
+        raise InvalidRequest(_id_range_error(hi, vocab_size))
     return None, arr.astype(np.int32)
+
+
+_JUST_INT = {int}
+
+
+def _id_range_error(hi: int, vocab_size: int | None) -> str:
+    return (f"prompt token ids must be integers in [0, {hi})"
+            + (" (and below the model's vocab size)" if vocab_size is None else " for this model"))
 
 
 def check_token_ids(ids: Any, vocab_size: int, what: str) -> None:

@@ -27,7 +27,7 @@ from common.config import SchedulerConfig, from_cli_args
 from common.curve import curve_server_keys, start_authenticator
 from common.errors import InvalidRequest, ZeroserveError
 from common.log import LogBudget, get_logger
-from common.memory import Trimmer
+from common.memory import Trimmer, freeze_startup_heap
 from common.transport import Channel, is_loopback, make_socket
 from services.scheduler.cluster import Cluster, ModelInfo
 from services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
@@ -140,6 +140,7 @@ class SchedulerService:
 
     # ================================================================ loop
     def run(self) -> None:
+        freeze_startup_heap()
         log.info("scheduler ready", **self.addrs, models=list(self.cluster.models), scheduler_id=self.id)
         try:
             while not self._stop:

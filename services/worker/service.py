@@ -29,6 +29,7 @@ from common.config import EngineArgs, WorkerArgs, from_cli_args
 from common.curve import curve_client_keys
 from common.errors import ZeroserveError
 from common.log import get_logger, setup_logging
+from common.memory import freeze_startup_heap
 from common.model_config import ModelConfig
 from common.transport import Channel, free_port, make_socket
 from services.backend_peer import BackendPeer, Refused
@@ -153,6 +154,7 @@ class WorkerService:
                                   device=self.device)
         log.info("model loaded", kv_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
                  param_bytes=self.runner.param_bytes())
+        freeze_startup_heap()
         self.peer = BackendPeer(self.ctx, self.scheduler_addr, self.worker_id, role="worker", curve=self.curve,
                                 heartbeat_interval_s=self.hb_interval)
         self.dealer, self.dealer_ch = self.peer.sock, self.peer.ch
