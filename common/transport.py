@@ -44,7 +44,7 @@ TCP_KEEPALIVE_INTVL_S = 10
 TCP_KEEPALIVE_CNT = 3
 
 _TOPIC_FIRST = (zmq.PUB, zmq.XPUB, zmq.SUB, zmq.XSUB)
-_SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+_SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 _sync_send = zmq.Socket.send
 
 
@@ -243,7 +243,7 @@ class Channel:
 
     def try_send_frames(self, frames: list) -> bool:
         try:
-            send_frames(self.sock, frames, NOBLOCK)
+            send_frames(self.sock, frames, _NOBLOCK)
             return True
         except zmq.Again:
             return False
