@@ -308,6 +308,12 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
     }
     try:
+        from kernels.cpu_native import cpu_model, native_bf16
+
+        info["cpu"], info["native_bf16"] = cpu_model(), native_bf16()
+    except Exception:  # noqa: BLE001 - an older tree: no CPU facts
+        pass
+    try:
         import transformers
 
         info["transformers"] = transformers.__version__

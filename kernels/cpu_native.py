@@ -67,17 +67,44 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"zeroserve-kernels-{os.getuid()}"
 
 
+CPUINFO = "/proc/cpuinfo"
+
+
+def _cpuinfo(prefixes: tuple[str, ...]) -> list[str]:
+    """The /proc/cpuinfo lines that start with one of `prefixes` (none where it cannot be read)."""
+    try:
+        with open(CPUINFO) as f:
+            return [line for line in f if line.startswith(prefixes)]
+    except OSError:
+        return []
+
+
 def _cpu_id() -> str:
     """What -march=native depends on: the machine and its CPU flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features", "model name")):
-                    flags += line
-    except OSError:
-        pass
-    return platform.machine() + flags
+    return platform.machine() + "".join(_cpuinfo(("flags", "Features", "model name")))
+
+
+# bf16 in the instruction set: AVX-512 BF16 / AMX on x86, ARMv8.6's BF16 on aarch64
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the kernel lists them (x86 ``flags``, aarch64 ``Features``)."""
+    out: set[str] = set()
+    for line in _cpuinfo(("flags", "Features")):
+        out.update(line.partition(":")[2].split())
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``'s), or the machine type where cpuinfo has none."""
+    lines = _cpuinfo(("model name",))
+    return lines[0].partition(":")[2].strip() if lines else platform.machine()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes in bf16 itself (else torch emulates it through fp32)."""
+    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
 
 
 def _build(cc: str, source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:

@@ -20,7 +20,7 @@ from common.errors import ModelLoadError
 from common.model_config import ModelConfig
 from services.worker.dtype import resolve_dtype
 from common.tokenizer import load_tokenizer
-from kernels import get_ops
+from kernels import cpu_native, get_ops
 from services.worker.model import build_model, load_model
 from services.worker.model.layers import rope_inv_freq
 from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
@@ -335,7 +335,8 @@ def test_tensor_parallel_divisibility_error():
         build_model(cfg, "cpu", torch.float32, get_ops("torch", "cpu"), tp_rank=0, tp_size=4)
 
 
-def test_resolve_dtype():
+def test_resolve_dtype(monkeypatch):
+    monkeypatch.setattr(cpu_native, "native_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32
     assert resolve_dtype("auto", "cuda", "bfloat16") is torch.bfloat16
     cfg = ModelConfig.from_dir(cached_model_dir("llama"))
@@ -347,6 +348,58 @@ def test_resolve_dtype():
             assert resolve_dtype(n, "cpu") is want
     with pytest.raises(ModelLoadError, match=r"unsupported dtype 'int8'.*bfloat16"):
         resolve_dtype("int8", "cpu")
+
+
+def test_cpu_auto_dtype_is_measured(monkeypatch):
+    """bf16 only for a bf16 checkpoint, on a CPU with native bf16, where the probe measured it
+    faster for decode and not slower for prefill; fp32 (and no probe) everywhere else."""
+    from services.worker import dtype as dt
+
+    probed = []
+
+    def probe(times):
+        def run(rows, cols):
+            probed.append((rows, cols))
+            return {(d, n): t for (d, n), t in zip([(torch.float32, 1), (torch.float32, 64),
+                                                     (torch.bfloat16, 1), (torch.bfloat16, 64)], times)}
+        return run
+
+    cfg = ModelConfig.from_dir(cached_model_dir("llama"))
+    monkeypatch.setattr(cpu_native, "native_bf16", lambda: True)
+    monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.0, 10.5]))
+    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.bfloat16
+    assert probed[-1] == (dt.PROBE_MAX_DIM, dt.PROBE_MAX_DIM)  # no config: the capped shape
+    for fp32_ckpt in ("float32", "float16", cfg):  # not a bf16 checkpoint: fp32, nothing measured
+        n = len(probed)
+        assert resolve_dtype("auto", "cpu", fp32_ckpt) is torch.float32 and len(probed) == n
+    n = len(probed)
+    assert resolve_dtype("auto", "cpu", "bfloat16", quantization="int8") is torch.float32 and len(probed) == n
+    monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.0, 30.0]))  # prefill 3x slower
+    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32
+    monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.9, 9.0]))  # decode not 10% faster
+    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32
+    assert resolve_dtype("float32", "cpu", "bfloat16") is torch.float32  # a user's choice is not probed
+    monkeypatch.setattr(cpu_native, "native_bf16", lambda: False)
+    n = len(probed)
+    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32 and len(probed) == n
+
+
+def test_probe_linear_times_every_dtype_and_batch():
+    from services.worker.dtype import probe_linear
+
+    t = probe_linear(64, 32, tokens=(1, 16), budget_s=0.01)
+    assert set(t) == {(d, n) for d in (torch.float32, torch.bfloat16) for n in (1, 16)}
+    assert all(0 < v < 1 for v in t.values())
+
+
+def test_cpu_flags_are_read(monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    monkeypatch.setattr(cpu_native, "CPUINFO", str(info))
+    assert {"avx2", "avx512_bf16"} <= cpu_native.cpu_flags() and cpu_native.native_bf16()
+    assert cpu_native.cpu_model() == "Test CPU 9000"
+    info.write_text("model name\t: Old\nflags\t\t: fpu avx2\n")
+    assert not cpu_native.native_bf16()
 
 
 def test_load_tokenizer(tmp_path):

@@ -1,11 +1,27 @@
-"""Compute dtype of a worker: the user's choice, or the checkpoint's on accelerators."""
+"""Compute dtype of a worker: the user's choice, or one chosen for the checkpoint and the machine.
+
+"auto" on an accelerator is the checkpoint's own dtype. On a CPU it is float32 (exact: greedy
+output equals HF in fp32), except for a bf16 checkpoint on a CPU with bf16 in its instruction
+set (AVX-512 BF16 / AMX, aarch64 BF16) where a bf16 linear of the model's shape measured faster
+than fp32 at start-up, for decode and not slower for prefill. Without native bf16, torch widens
+every bf16 value to fp32 inside the matmul: `benchmarks/cpu_dtype.py` on the AVX2 dev box
+measured bf16 2-2.8x faster than fp32 for a decode-sized linear (half the bytes to stream) but
+3-4.6x slower for a 64-token one, so there no probe is run and fp32 is the answer (`--dtype
+bfloat16` remains, for a batch-1 workload).
+"""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from common.errors import ModelLoadError
+from common.log import get_logger
 from common.model_config import ModelConfig
+from kernels import cpu_native
+
+log = get_logger("worker.dtype")
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -18,17 +34,23 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
+# the probe's linear: the model's MLP shape, capped so the probe stays a fraction of a second
+PROBE_MAX_DIM = 4096
+PROBE_WORKING_SET = 64 << 20  # fp32 bytes of weight copies the probe cycles through
+PROBE_TOKENS = (1, 64)  # a decode step's batch of one, a prefill chunk
+# bf16 must win decode (where it halves the bytes read) by this much, and not lose prefill by more
+BF16_DECODE_GAIN = 0.9
+BF16_PREFILL_SLACK = 1.1
+
 
 def resolve_dtype(
     dtype: str | torch.dtype,
     device: torch.device | str,
     config: ModelConfig | str | None = None,
+    quantization: str | None = None,
 ) -> torch.dtype:
-    """Turn a user dtype name into a torch dtype.
-
-    "auto" = the checkpoint's `torch_dtype` (from `config`, a ModelConfig or the dtype string) on
-    accelerators, float32 when unknown, and always float32 on CPU (half precision matmuls on CPU
-    are slow and less accurate)."""
+    """Turn a user dtype name into a torch dtype ("auto": see the module's docstring; a
+    quantized model computes in fp32 on a CPU, where its kernels do)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ModelLoadError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
@@ -37,10 +59,12 @@ def resolve_dtype(
         raise ModelLoadError(f"dtype must be a string, got {dtype!r}")
     name = dtype.strip().lower().replace("torch.", "")
     if name == "auto":
-        if torch.device(device).type == "cpu":
-            return torch.float32
         cfg_dtype = config.torch_dtype if isinstance(config, ModelConfig) else config
         cfg_dtype = (cfg_dtype or "float32").lower().replace("torch.", "")
+        if torch.device(device).type == "cpu":
+            if cfg_dtype != "bfloat16" or quantization in ("int8", "int4"):
+                return torch.float32
+            return cpu_bf16_or_fp32(config if isinstance(config, ModelConfig) else None)
         return _DTYPE_NAMES.get(cfg_dtype, torch.float32)
     if name not in _DTYPE_NAMES:
         raise ModelLoadError(
@@ -48,3 +72,49 @@ def resolve_dtype(
             "or 'float16' (half, fp16)"
         )
     return _DTYPE_NAMES[name]
+
+
+def cpu_bf16_or_fp32(cfg: ModelConfig | None) -> torch.dtype:
+    """bf16 where this CPU has it natively and a linear of the model's shape is measurably faster
+    in it; fp32 otherwise. The figures are logged: the choice can be checked, and overridden with
+    --dtype."""
+    if not cpu_native.native_bf16():
+        return torch.float32
+    rows = min(cfg.intermediate_size if cfg else PROBE_MAX_DIM, PROBE_MAX_DIM)
+    cols = min(cfg.hidden_size if cfg else PROBE_MAX_DIM, PROBE_MAX_DIM)
+    t = probe_linear(rows, cols)
+    fast = (t[torch.bfloat16, 1] <= BF16_DECODE_GAIN * t[torch.float32, 1]
+            and t[torch.bfloat16, PROBE_TOKENS[-1]] <= BF16_PREFILL_SLACK * t[torch.float32, PROBE_TOKENS[-1]])
+    chosen = torch.bfloat16 if fast else torch.float32
+    log.info("dtype auto on a CPU with native bf16", chosen=str(chosen).removeprefix("torch."),
+             shape=f"{rows}x{cols}", **{f"{str(d).removeprefix('torch.')}_t{n}_ms": round(s * 1e3, 3)
+                                        for (d, n), s in t.items()})
+    return chosen
+
+
+def probe_linear(rows: int, cols: int, tokens: tuple[int, ...] = PROBE_TOKENS,
+                 dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+                 budget_s: float = 0.15) -> dict[tuple[torch.dtype, int], float]:
+    """Median seconds of `F.linear(x[n, cols], w[rows, cols])` per (dtype, n): a few calls each
+    after one warm-up, the keys measured in turn so a noisy host shifts all alike. The weight
+    is copied until the copies pass PROBE_WORKING_SET bytes and the calls cycle through them:
+    decode streams a whole model's weights from memory, not one linear's from the cache."""
+    g = torch.Generator().manual_seed(0)
+    w32 = torch.randn(rows, cols, generator=g)
+    copies = max(1, -(-PROBE_WORKING_SET // w32.nbytes))
+    ws = {d: [w32.to(d, copy=True) for _ in range(copies)] for d in dtypes}
+    xs = {(d, n): torch.randn(n, cols, generator=g).to(d) for d in dtypes for n in tokens}
+    times: dict[tuple[torch.dtype, int], list[float]] = {k: [] for k in xs}
+    for (d, _), x in xs.items():  # warm-up: oneDNN picks and caches its kernel on the first call
+        torch.nn.functional.linear(x, ws[d][0])
+    deadline, i = time.perf_counter() + budget_s, 0
+    while True:
+        i += 1
+        for k, x in xs.items():
+            w = ws[k[0]][i % copies]
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times[k].append(time.perf_counter() - t0)
+        if i >= 3 and time.perf_counter() > deadline:
+            break
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}

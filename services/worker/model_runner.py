@@ -42,7 +42,7 @@ class ModelRunner:
         self.args = args
         self.cfg = model_cfg
         self.device = torch.device(device or args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg)
+        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg, getattr(args, "quantization", None))
         self.backend = resolve_backend(args.attention_backend, self.device)
         self.ops = get_ops(self.backend, self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
