@@ -374,6 +374,10 @@ def test_cpu_auto_dtype_is_measured(monkeypatch):
         assert resolve_dtype("auto", "cpu", fp32_ckpt) is torch.float32 and len(probed) == n
     n = len(probed)
     assert resolve_dtype("auto", "cpu", "bfloat16", quantization="int8") is torch.float32 and len(probed) == n
+    assert resolve_dtype("auto", "cpu", "bfloat16", probe=False) is torch.float32 and len(probed) == n  # a TP shard
+    assert resolve_dtype("auto", "cpu", "bf16") is torch.bfloat16 and len(probed) == n + 1  # an alias is bf16 too
+    assert resolve_dtype("auto", "cuda", "bfloat16", probe=False) is torch.bfloat16  # a GPU does not probe
+    n = len(probed)
     monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.0, 30.0]))  # prefill 3x slower
     assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32
     monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.9, 9.0]))  # decode not 10% faster

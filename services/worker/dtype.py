@@ -3,11 +3,14 @@
 "auto" on an accelerator is the checkpoint's own dtype. On a CPU it is float32 (exact: greedy
 output equals HF in fp32), except for a bf16 checkpoint on a CPU with bf16 in its instruction
 set (AVX-512 BF16 / AMX, aarch64 BF16) where a bf16 linear of the model's shape measured faster
-than fp32 at start-up, for decode and not slower for prefill. Without native bf16, torch widens
-every bf16 value to fp32 inside the matmul: `benchmarks/cpu_dtype.py` on the AVX2 dev box
-measured bf16 2-2.8x faster than fp32 for a decode-sized linear (half the bytes to stream) but
-3-4.6x slower for a 64-token one, so there no probe is run and fp32 is the answer (`--dtype
-bfloat16` remains, for a batch-1 workload).
+than fp32 at start-up, for decode and not slower for prefill (one worker process; tensor-parallel
+shards stay fp32). The probe times the linears only: in bf16 the per-layer small ops run as
+torch ops rather than the compiled fp32 ones (kernels/cpu_ops.py), which a small model feels.
+
+Without native bf16, torch widens every bf16 value to fp32 inside the matmul:
+`benchmarks/cpu_dtype.py` on the AVX2 dev box measured bf16 2-2.8x faster than fp32 for a
+decode-sized linear (half the bytes to stream) but 3-4.6x slower for a 64-token one, so there
+no probe is run and fp32 is the answer (`--dtype bfloat16` remains, for a batch-1 workload).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 
 # the probe's linear: the model's MLP shape, capped so the probe stays a fraction of a second
 PROBE_MAX_DIM = 4096
-PROBE_WORKING_SET = 64 << 20  # fp32 bytes of weight copies the probe cycles through
+PROBE_WORKING_SET = 256 << 20  # fp32 bytes of weight copies the probe cycles through: past big LLCs
 PROBE_TOKENS = (1, 64)  # a decode step's batch of one, a prefill chunk
 # bf16 must win decode (where it halves the bytes read) by this much, and not lose prefill by more
 BF16_DECODE_GAIN = 0.9
@@ -48,9 +51,12 @@ def resolve_dtype(
     device: torch.device | str,
     config: ModelConfig | str | None = None,
     quantization: str | None = None,
+    probe: bool = True,
 ) -> torch.dtype:
     """Turn a user dtype name into a torch dtype ("auto": see the module's docstring; a
-    quantized model computes in fp32 on a CPU, where its kernels do)."""
+    quantized model computes in fp32 on a CPU, where its kernels do). `probe=False` (a
+    tensor-parallel shard: its peers could time differently, and shards in different dtypes
+    cannot all-reduce; the group to agree over forms only later) keeps a CPU's "auto" at fp32."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ModelLoadError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
@@ -62,7 +68,7 @@ def resolve_dtype(
         cfg_dtype = config.torch_dtype if isinstance(config, ModelConfig) else config
         cfg_dtype = (cfg_dtype or "float32").lower().replace("torch.", "")
         if torch.device(device).type == "cpu":
-            if cfg_dtype != "bfloat16" or quantization in ("int8", "int4"):
+            if _DTYPE_NAMES.get(cfg_dtype) is not torch.bfloat16 or quantization in ("int8", "int4") or not probe:
                 return torch.float32
             return cpu_bf16_or_fp32(config if isinstance(config, ModelConfig) else None)
         return _DTYPE_NAMES.get(cfg_dtype, torch.float32)

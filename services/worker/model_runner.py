@@ -42,7 +42,8 @@ class ModelRunner:
         self.args = args
         self.cfg = model_cfg
         self.device = torch.device(device or args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg, getattr(args, "quantization", None))
+        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg, getattr(args, "quantization", None),
+                                   probe=tp_size == 1)
         self.backend = resolve_backend(args.attention_backend, self.device)
         self.ops = get_ops(self.backend, self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
