@@ -8,8 +8,8 @@ shards stay fp32). The probe times the linears only: in bf16 the per-layer small
 torch ops rather than the compiled fp32 ones (kernels/cpu_ops.py), which a small model feels.
 
 Without native bf16, torch widens every bf16 value to fp32 inside the matmul:
-`benchmarks/cpu_dtype.py` on the AVX2 dev box measured bf16 2-2.8x faster than fp32 for a
-decode-sized linear (half the bytes to stream) but 3-4.6x slower for a 64-token one, so there
+`benchmarks/cpu_dtype.py` on the AVX2 dev box measured bf16 1.6-2.8x faster than fp32 for a
+decode-sized linear (half the bytes to stream) but 2.1-4.6x slower for a 64-token one, so there
 no probe is run and fp32 is the answer (`--dtype bfloat16` remains, for a batch-1 workload).
 """
 
