@@ -23,10 +23,10 @@ client ROUTER, and two background tasks on the event loop the client is first us
   turns it into a ``StreamDelta`` when the consumer asks for it), ``Pong`` / ``StatsReply`` /
   ``ModelsReply`` to the futures waiting for them. Items of requests this client no longer
   tracks (aborted, timed out) are dropped.
-* the liveness ticker runs only while requests are live: it sends ``Ping`` every second (the
+* the liveness ticker (``zeroserve/liveness.py``) runs only while requests are live: it sends ``Ping`` every second (the
   scheduler aborts the requests of a client silent for 10 s) and fails every live request
   with ``ClusterUnavailable`` once nothing at all came from the scheduler for ``timeout_s``.
-* every ``Pong`` names the scheduler (``scheduler_id``, new at each start). A request belongs to
+* (``zeroserve/liveness.py``) every ``Pong`` names the scheduler (``scheduler_id``, new at each start). A request belongs to
   the scheduler that answers the first Ping sent after its Submit; a Pong from another one
   means the scheduler restarted and the request is lost with it: it fails at once with
   ``ClusterUnavailable("the scheduler restarted; ...")`` (within a ping interval of the new
@@ -47,7 +47,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import math
 import os
 from typing import Any, Self
 
@@ -75,6 +74,7 @@ from zeroserve._request import (
     _check_timeout,
     _Req,
 )
+from zeroserve.liveness import LivenessMixin
 from zeroserve.streams import AsyncStream
 
 __all__ = ["DEFAULT_ADDRESS", "AsyncClient", "AsyncStream", "StreamDelta"]
@@ -83,7 +83,6 @@ log = logging.getLogger("zeroserve.client")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7000"
 PING_INTERVAL_S = 1.0  # the scheduler's client_timeout (10 s) counts on this
-RESTARTED = "the scheduler restarted; request lost, retry"
 
 
 def _swallow(fut: asyncio.Future) -> None:
@@ -105,7 +104,7 @@ class _Checked:
         self.split = split
 
 
-class AsyncClient:
+class AsyncClient(LivenessMixin):
     """asyncio client for a zeroserve cluster; see the module docstring.
 
     ``address``: the scheduler's client port (``tcp://H:P`` or a port number).
@@ -452,61 +451,6 @@ class AsyncClient:
             except Exception:  # a bug here must not stop every request of this client
                 log.exception("failed to handle %s", type(msg).__name__)
 
-    def _next_nonce(self) -> int:
-        self._nonce = next(self._nonces)
-        return self._nonce
-
-    def _ping(self) -> P.Ping:
-        """A Ping naming the requests no Pong confirmed yet (the newest MAX_PING_IDS)."""
-        unconfirmed = [r.wire for r in self._reqs.values() if r.sid is None]
-        return P.Ping(nonce=self._next_nonce(), request_ids=unconfirmed[-P.MAX_PING_IDS:])
-
-    def _on_pong(self, m: P.Pong) -> None:
-        """Which scheduler holds each live request; those a restarted one lost end or go again."""
-        sid = m.scheduler_id
-        if not sid:  # a scheduler that does not say who it is
-            return
-        prev, self._scheduler_id = self._scheduler_id, sid
-        switched = prev is not None and prev != sid
-        unknown = set(m.unknown)
-        lost = []
-        for r in self._reqs.values():
-            if r.sid == sid:
-                continue
-            if r.sid is None:
-                if m.nonce <= r.nonce0:  # a Ping sent before the Submit: says nothing about it
-                    continue
-                if not switched and r.wire not in unknown:
-                    r.sid = sid
-                    continue
-                # the first Pong of a new scheduler, for a Submit sent before its Ping, or a
-                # scheduler that says it does not hold it (it restarted before any Pong reached
-                # us): the Submit went to a scheduler that died; re-submitting under another
-                # wire id is safe either way (the Abort frees a copy the new one got)
-            lost.append(r)
-        if lost:
-            log.warning("the scheduler restarted (%s -> %s); %d live request(s) lost", prev, sid, len(lost))
-        for r in lost:
-            if r.retries > 0 and not r.started and r.frames is not None and not r.ended:
-                self._resubmit(r)
-            else:
-                self._end(r, ClusterUnavailable(RESTARTED), abort=True)
-
-    def _resubmit(self, r: _Req) -> None:
-        """Send a request that had no output yet again, to the scheduler now answering."""
-        self._send(P.Abort(request_id=r.wire))
-        if self._reqs.get(r.wire) is r:
-            del self._reqs[r.wire]
-        r.retries -= 1
-        attempt = self.retries - r.retries
-        r.wire = f"{r.rid}~{attempt}"
-        sub = decode(r.frames)
-        sub.request_id = r.wire
-        r.frames = encode(sub)
-        r.sid, r.nonce0 = None, self._nonce
-        self._reqs[r.wire] = r
-        self._send_frames(r.frames)
-
     def _on_error(self, m: P.Error) -> None:
         if m.request_id is not None:
             r = self._reqs.get(m.request_id)
@@ -519,29 +463,3 @@ class AsyncClient:
             f.set_exception(m.to_exception())
         if not waiting:
             log.warning("the scheduler reported: [%s] %s", m.code, m.message)
-
-    async def _ticker(self) -> None:
-        """While requests are live: Ping every interval, fail them all when the scheduler is silent."""
-        loop = self._loop
-        last_ping = loop.time()
-        while True:
-            if not self._reqs:
-                self._live_evt.clear()
-                await self._live_evt.wait()
-                last_ping = loop.time()  # the Submit itself tells the scheduler we are alive
-            now = loop.time()
-            if now - last_ping >= self._ping_s:
-                last_ping = now
-                self._send(self._ping())
-            last_rx = self._last_rx
-            deadline = math.inf
-            dead = []
-            for r in self._reqs.values():
-                due = max(last_rx, r.t0) + self.timeout_s
-                if due <= now:
-                    dead.append(r)
-                elif due < deadline:
-                    deadline = due
-            for r in dead:
-                self._end(r, self._unavailable(), abort=True)
-            await asyncio.sleep(max(0.0, min(last_ping + self._ping_s, deadline) - loop.time()) + 0.001)

@@ -1,0 +1,107 @@
+"""The client's side of liveness: Pings while requests are live, and what a scheduler restart means.
+
+``AsyncClient`` mixes this in. Every ``Pong`` names the scheduler (``scheduler_id``, new at each
+start); a request belongs to the scheduler that answers the first Ping sent after its Submit, so
+a Pong from another one means the request was lost with the old scheduler: it fails with
+``ClusterUnavailable`` or, with ``retries=N`` and no output yet, is submitted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from common import messages as P
+from common.codec import decode, encode
+from common.errors import ClusterUnavailable
+from zeroserve._request import _Req
+
+log = logging.getLogger("zeroserve.client")
+
+RESTARTED = "the scheduler restarted; request lost, retry"
+
+
+class LivenessMixin:
+    """Ping / Pong bookkeeping and the liveness ticker of ``AsyncClient`` (state lives there)."""
+
+    def _next_nonce(self) -> int:
+        self._nonce = next(self._nonces)
+        return self._nonce
+
+    def _ping(self) -> P.Ping:
+        """A Ping naming the requests no Pong confirmed yet (the newest MAX_PING_IDS)."""
+        unconfirmed = [r.wire for r in self._reqs.values() if r.sid is None]
+        return P.Ping(nonce=self._next_nonce(), request_ids=unconfirmed[-P.MAX_PING_IDS:])
+
+    def _on_pong(self, m: P.Pong) -> None:
+        """Which scheduler holds each live request; those a restarted one lost end or go again."""
+        sid = m.scheduler_id
+        if not sid:  # a scheduler that does not say who it is
+            return
+        prev, self._scheduler_id = self._scheduler_id, sid
+        switched = prev is not None and prev != sid
+        unknown = set(m.unknown)
+        lost = []
+        for r in self._reqs.values():
+            if r.sid == sid:
+                continue
+            if r.sid is None:
+                if m.nonce <= r.nonce0:  # a Ping sent before the Submit: says nothing about it
+                    continue
+                if not switched and r.wire not in unknown:
+                    r.sid = sid
+                    continue
+                # the first Pong of a new scheduler, for a Submit sent before its Ping, or a
+                # scheduler that says it does not hold it (it restarted before any Pong reached
+                # us): the Submit went to a scheduler that died; re-submitting under another
+                # wire id is safe either way (the Abort frees a copy the new one got)
+            lost.append(r)
+        if lost:
+            log.warning("the scheduler restarted (%s -> %s); %d live request(s) lost", prev, sid, len(lost))
+        for r in lost:
+            if r.retries > 0 and not r.started and r.frames is not None and not r.ended:
+                self._resubmit(r)
+            else:
+                self._end(r, ClusterUnavailable(RESTARTED), abort=True)
+
+    def _resubmit(self, r: _Req) -> None:
+        """Send a request that had no output yet again, to the scheduler now answering."""
+        self._send(P.Abort(request_id=r.wire))
+        if self._reqs.get(r.wire) is r:
+            del self._reqs[r.wire]
+        r.retries -= 1
+        attempt = self.retries - r.retries
+        r.wire = f"{r.rid}~{attempt}"
+        sub = decode(r.frames)
+        sub.request_id = r.wire
+        r.frames = encode(sub)
+        r.sid, r.nonce0 = None, self._nonce
+        self._reqs[r.wire] = r
+        self._send_frames(r.frames)
+
+    async def _ticker(self) -> None:
+        """While requests are live: Ping every interval, fail them all when the scheduler is silent."""
+        loop = self._loop
+        last_ping = loop.time()
+        while True:
+            if not self._reqs:
+                self._live_evt.clear()
+                await self._live_evt.wait()
+                last_ping = loop.time()  # the Submit itself tells the scheduler we are alive
+            now = loop.time()
+            if now - last_ping >= self._ping_s:
+                last_ping = now
+                self._send(self._ping())
+            last_rx = self._last_rx
+            deadline = math.inf
+            dead = []
+            for r in self._reqs.values():
+                due = max(last_rx, r.t0) + self.timeout_s
+                if due <= now:
+                    dead.append(r)
+                elif due < deadline:
+                    deadline = due
+            for r in dead:
+                self._end(r, self._unavailable(), abort=True)
+            await asyncio.sleep(max(0.0, min(last_ping + self._ping_s, deadline) - loop.time()) + 0.001)
