@@ -291,6 +291,17 @@ class TokenizerArgs:
 
 
 @dataclass(kw_only=True)
+class GenerationArgs:
+    """sampling defaults"""
+
+    generation_config: str = knob("auto", "defaults for the sampling fields a request leaves unset (temperature, "
+                                          "top_p, top_k, min_p, repetition_penalty, max_tokens): auto = the model's "
+                                          "generation_config.json (a GGUF's general.sampling.*), none = "
+                                          "SamplingParams' own, or a generation_config.json FILE",
+                                  metavar="auto|none|FILE")
+
+
+@dataclass(kw_only=True)
 class ChatArgs:
     """chat"""
 
@@ -380,7 +391,7 @@ class ClientArgs(CurveClientArgs):
 
 
 @dataclass(kw_only=True)
-class EngineArgs(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs, SchedulerArgs):
+class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs, SchedulerArgs):
     """Engine arguments (vLLM's names), validated once at the boundary."""
 
     seed: int = 0
@@ -415,6 +426,8 @@ class EngineArgs(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs, SchedulerArgs):
             raise bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise bad(f"generation_config must be auto, none or a file path, got {self.generation_config!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -433,8 +446,8 @@ WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArg
 
 
 @dataclass(kw_only=True)
-class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, ChatArgs, SchedulerArgs, LivenessArgs, MetricsArgs,
-                      CurveArgs):
+class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, GenerationArgs, ChatArgs, SchedulerArgs, LivenessArgs,
+                      MetricsArgs, CurveArgs):
     """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
 
     no_worker_timeout_s: float = 300.0  # a request waits this long for a group serving its model

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
 from common.schema import (  # noqa: F401 - the field types are part of the message catalogue
     ARRAY_TYPES,
     F32,
@@ -61,6 +61,9 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
 MAX_PING_IDS = 256
 
 
+ModelDefaultField = Literal["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"]
+
+
 class Submit(Message):
     """A request: a text prompt or prompt token ids (the ids win when both are given), or chat
     ``messages`` (the scheduler applies the model's chat template, with the generation prompt)."""
@@ -72,6 +75,9 @@ class Submit(Message):
     stream: bool = False
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=4096)] | None = None
+    # the sampling fields the caller left unset: the model's generation config fills them where
+    # it sets them (a client fills this from what its caller gave; empty: params as they are)
+    model_defaults: Annotated[list[ModelDefaultField], msgspec.Meta(max_length=16)] = []
 
     def check(self) -> str | None:
         if self.messages is not None:
@@ -499,3 +505,5 @@ MESSAGE_TYPES: dict[bytes, type[Message]] = {
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }
 NESTED_TYPES = (ChatMessage, ModelCard, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)
+
+assert set(MODEL_DEFAULT_FIELDS) == set(ModelDefaultField.__args__), "Submit.model_defaults names what a model may set"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ModelLoadError
+from common.sampling_params import defaults_from_generation_config
 
 # architecture name in config.json -> family our model code uses
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -59,6 +60,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_dir: str = ""
     name: str = ""
+    # what generation_config.json (or a GGUF's general.sampling.*) sets for fields a request leaves unset
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -242,7 +245,32 @@ class ModelConfig:
             pad_token_id=None if pad is None else int(pad),
             model_dir=str(model_dir),
             name=name,
+            sampling_defaults=defaults_from_generation_config(generation, source.replace("config.json",
+                                                                                        "generation_config.json")),
         )
+
+
+GENERATION_CONFIG_CHOICES = "auto | none | FILE"
+
+
+def resolve_sampling_defaults(cfg: ModelConfig, choice: str | None) -> dict[str, Any]:
+    """The sampling defaults to serve `cfg` with, by `--generation-config`: "auto" = the model's
+    own, "none" = SamplingParams' defaults alone, else a generation_config.json file (or a
+    directory holding one) whose values replace the model's."""
+    if choice in (None, "auto"):
+        return dict(cfg.sampling_defaults)
+    if choice == "none":
+        return {}
+    path = Path(choice)
+    if path.is_dir():
+        path = path / "generation_config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"--generation-config {choice!r}: no such file; give auto, none, or a "
+                             "generation_config.json file (or a directory holding one)")
+    gen = _read_json(path)
+    if not isinstance(gen, dict):
+        raise ModelLoadError(f"{str(path)!r}: expected a JSON object at top level")
+    return defaults_from_generation_config(gen, str(path))
 
 
 def resolve_model_path(model_path: str | os.PathLike) -> tuple[str, Path]:

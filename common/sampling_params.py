@@ -121,3 +121,65 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             raise InvalidRequest(f"SamplingParams: unknown field(s) {unknown}; known fields are "
                                  f"{sorted(cls.__struct_fields__)}")
         return cls(**d)
+
+
+# ------------------------------------------------------------------------------------------------
+# The model's sampling defaults (generation_config.json), for fields a request leaves unset
+# ------------------------------------------------------------------------------------------------
+
+# The fields a model may default, as vLLM takes them from a generation config.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+_FROM_HF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# a generation_config.json that spells out transformers' own default says nothing about the
+# model (vLLM reads the file's difference from those defaults)
+_HF_OWN_DEFAULTS = {"top_k": 50, "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0}
+_FROM_GGUF = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+              "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+              "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def _checked_defaults(out: dict[str, Any], source: str) -> dict[str, Any]:
+    from common.errors import ModelLoadError
+
+    try:
+        SamplingParams(**out, min_tokens=0)
+    except (InvalidRequest, TypeError) as e:
+        raise ModelLoadError(f"{source}: a sampling default is out of range: {str(e).removeprefix('SamplingParams: ')}"
+                             ) from None
+    return out
+
+
+def defaults_from_generation_config(gen: dict[str, Any], source: str = "generation_config.json") -> dict[str, Any]:
+    """The sampling defaults a parsed generation_config.json sets (our field names), checked."""
+    out = {ours: gen[hf] for hf, ours in _FROM_HF.items()
+           if gen.get(hf) is not None and not (hf in _HF_OWN_DEFAULTS and gen[hf] == _HF_OWN_DEFAULTS[hf])}
+    return _checked_defaults(out, source)
+
+
+def defaults_from_gguf(meta: dict[str, Any], source: str) -> dict[str, Any]:
+    """The sampling defaults of a GGUF's `general.sampling.*` metadata (llama.cpp's keys)."""
+    return _checked_defaults({ours: meta[k] for k, ours in _FROM_GGUF.items() if meta.get(k) is not None}, source)
+
+
+def with_model_defaults(params: SamplingParams, fields: Any, defaults: dict[str, Any]) -> SamplingParams:
+    """`params` with `fields` (those the caller left unset) taken from the model's `defaults`
+    where it has them. A new object when anything changes; `params` itself is never modified."""
+    pick = {k: defaults[k] for k in fields if k in defaults}
+    if not pick:
+        return params
+    d = params.to_dict()
+    d.update(pick)
+    if d["max_tokens"] is not None and d["min_tokens"] > d["max_tokens"]:
+        d["max_tokens"] = d["min_tokens"]  # the caller's min_tokens outranks a model default
+    return SamplingParams(**d)
+
+
+def unset_fields(params: Any) -> tuple[str, ...]:
+    """Which model-defaultable fields a caller's `params` leaves unset: all for None, those a
+    dict does not name, none for a SamplingParams (it is used as given, as in vLLM)."""
+    if params is None:
+        return MODEL_DEFAULT_FIELDS
+    if isinstance(params, dict):
+        return tuple(k for k in MODEL_DEFAULT_FIELDS if k not in params)
+    return ()

@@ -16,9 +16,9 @@ from common.config import EngineArgs
 from common.detokenize import IncrementalDetokenizer
 from common.errors import InvalidRequest
 from common.log import get_logger
-from common.model_config import ModelConfig
+from common.model_config import ModelConfig, resolve_sampling_defaults
 from common.outputs import CompletionOutput, RequestOutput, logprob_entries
-from common.sampling_params import SamplingParams
+from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, with_model_defaults
 from common.tokenizer import load_tokenizer
 from services.scheduler.admission import (
     check_params_for_model,
@@ -61,6 +61,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_len, self.model_cfg.eos_token_ids)
         self.rng = random.Random(args.seed)
+        self.sampling_defaults = resolve_sampling_defaults(self.model_cfg, args.generation_config)
         self.tracked: dict[str, _Tracked] = {}
         self._next_id = 0
 
@@ -69,11 +70,17 @@ class LLMEngine:
         return self.scheduler.max_model_len
 
     # ---- requests -----------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams runs with: the model's generation config
+        (``--generation-config``) over SamplingParams' defaults (vLLM's get_default_sampling_params)."""
+        return with_model_defaults(SamplingParams(), MODEL_DEFAULT_FIELDS, self.sampling_defaults)
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """`prompt`: text, token ids, {"prompt_token_ids": ...}, {"prompt": ...} or a conversation
         {"messages": [...], "chat_template": optional template text}."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
+        if params is None:
+            params = self.default_sampling_params()
+        elif not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, dict) and "messages" in prompt:
             text, ids = chat_prompt(self.tokenizer, check_messages(prompt["messages"]), prompt.get("chat_template"))

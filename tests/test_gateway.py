@@ -397,14 +397,14 @@ class FakeClient:
         self.models_calls = 0
         self.models_delay = 0.05
 
-    def stream(self, prompt, params, request_id=None, request_timeout_s=None):
+    def stream(self, prompt, params, request_id=None, request_timeout_s=None, model_defaults=None):
         s = FakeStream(self.scripts.pop(0) if self.scripts else [])
         self.streams.append(s)
         return s
 
     stream_chat = stream
 
-    async def generate(self, prompt, params, request_id=None, request_timeout_s=None):
+    async def generate(self, prompt, params, request_id=None, request_timeout_s=None, model_defaults=None):
         self.generates.append("running")
         try:
             await asyncio.Event().wait()

@@ -84,7 +84,7 @@ def sample_messages() -> dict[type, list]:
     return {
         M.Submit: [
             M.Submit(request_id="q", prompt="Hello", params=PARAMS, stream=True, timeout_s=2.5),
-            M.Submit(request_id="q2", prompt_token_ids=arr([1, 2, 3])),
+            M.Submit(request_id="q2", prompt_token_ids=arr([1, 2, 3]), model_defaults=["temperature", "max_tokens"]),
             M.Submit(request_id="q3", messages=[M.ChatMessage(role="system", content="Be brief."),
                                                 M.ChatMessage(role="user", content="Hi ✓", name="ann")]),
         ],
@@ -605,7 +605,7 @@ def test_body_of_the_wrong_shape():
 def test_extra_trailing_fields_are_refused():
     assert_bad([b"Ping", msgpack.packb([1, [], 2])], "Ping: expected list of at most length 2, got 3")
     sub = M.Submit(request_id="a", prompt="x")
-    assert_bad(reencode(sub, body_of(sub) + [None]), "Submit: expected list of at most length 7, got 8")
+    assert_bad(reencode(sub, body_of(sub) + [None]), "Submit: expected list of at most length 8, got 9")
     step = SAMPLES[M.Step][0]
     body = body_of(step)
     body[fi(M.Step, "new_reqs")][0].append(0)

@@ -15,7 +15,7 @@ from common import messages as P
 from common.chat import check_messages
 from common.errors import InvalidRequest
 from common.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entries
-from common.sampling_params import SamplingParams
+from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields
 
 log = logging.getLogger("zeroserve.client")
 
@@ -69,6 +69,20 @@ def _check_params(params: Any) -> SamplingParams:
     if isinstance(params, dict):
         return SamplingParams.from_dict(params)
     raise InvalidRequest(f"params must be a SamplingParams or a dict of its fields, got {type(params).__name__}")
+
+
+def _model_defaults(params: Any, model_defaults: Any) -> list[str]:
+    """The fields the model's generation config may fill: by default those ``params`` leaves
+    unset (all for None, those a dict does not name, none for a SamplingParams); True = all of
+    them, False = none, or a list of field names."""
+    if model_defaults is None:
+        return list(unset_fields(params))
+    if model_defaults is True or model_defaults is False:
+        return list(MODEL_DEFAULT_FIELDS) if model_defaults else []
+    if isinstance(model_defaults, (list, tuple)) and all(k in MODEL_DEFAULT_FIELDS for k in model_defaults):
+        return list(dict.fromkeys(model_defaults))
+    raise InvalidRequest(f"model_defaults must be True, False or a list of {list(MODEL_DEFAULT_FIELDS)}, "
+                         f"got {model_defaults!r:.200}")
 
 
 class Conversation:

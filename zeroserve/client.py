@@ -72,6 +72,7 @@ from zeroserve._request import (
     StreamDelta,
     _check_params,
     _check_timeout,
+    _model_defaults,
     _Req,
 )
 from zeroserve.liveness import LivenessMixin
@@ -237,7 +238,7 @@ class AsyncClient(LivenessMixin):
 
     # ---------------------------------------------------------------- requests
     def _submit(self, prompt: Any, params: Any, request_id: str | None, request_timeout_s: float | None,
-                streaming: bool) -> _Req:
+                streaming: bool, model_defaults: list[str]) -> _Req:
         msgs = prompt.messages if isinstance(prompt, Conversation) else None
         if isinstance(prompt, _Checked):  # stream() checked both already
             (text, ids), sp = prompt.split, params
@@ -256,7 +257,7 @@ class AsyncClient(LivenessMixin):
             raise InvalidRequest(f"request id {request_id!r} is already running on this client; use a unique id "
                                  "or leave request_id unset")
         frames = encode(P.Submit(request_id=request_id, prompt=text, prompt_token_ids=ids, params=sp,
-                                 stream=streaming, timeout_s=timeout, messages=msgs))
+                                 stream=streaming, timeout_s=timeout, messages=msgs, model_defaults=model_defaults))
         r = _Req(request_id, sp, streaming, loop.time(), text, ids, None if streaming else loop.create_future())
         r.nonce0, r.retries = self._nonce, self.retries
         if self.retries:
@@ -299,9 +300,16 @@ class AsyncClient(LivenessMixin):
                                     "busy cluster"), abort=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-                       *, request_timeout_s: float | None = None) -> RequestOutput:
-        """Run one request to the end -> RequestOutput (n > 1 completions in index order)."""
-        r = self._submit(prompt, params, request_id, request_timeout_s, streaming=False)
+                       *, request_timeout_s: float | None = None,
+                       model_defaults: bool | list[str] | None = None) -> RequestOutput:
+        """Run one request to the end -> RequestOutput (n > 1 completions in index order).
+
+        The model's generation config (``generation_config.json``; ``--generation-config``)
+        fills the sampling fields ``params`` leaves unset, as in vLLM: all of them for None,
+        those a dict does not name; a SamplingParams runs as given. ``model_defaults`` overrides
+        that choice (True, False, or a list of field names)."""
+        defaults = _model_defaults(params, model_defaults)
+        r = self._submit(prompt, params, request_id, request_timeout_s, streaming=False, model_defaults=defaults)
         try:
             await r.done
         except asyncio.CancelledError:
@@ -312,25 +320,32 @@ class AsyncClient(LivenessMixin):
         return r.result()
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-               *, request_timeout_s: float | None = None) -> AsyncStream:
+               *, request_timeout_s: float | None = None,
+               model_defaults: bool | list[str] | None = None) -> AsyncStream:
         """An async iterator of StreamDelta; the request is sent on the first ``__anext__``.
-        Leaving early (break, ``aclose()``, cancellation) aborts the request."""
+        Leaving early (break, ``aclose()``, cancellation) aborts the request. ``params`` and
+        ``model_defaults`` as in ``generate``."""
         if not isinstance(prompt, Conversation):  # fail fast, before anything is iterated
             prompt = _Checked(split_prompt(prompt))
+        defaults = _model_defaults(params, model_defaults)
         params = _check_params(params)
         _check_timeout("request_timeout_s", request_timeout_s)
-        return AsyncStream(self, prompt, params, request_id, request_timeout_s)
+        return AsyncStream(self, prompt, params, request_id, request_timeout_s, defaults)
 
     async def chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-                   *, request_timeout_s: float | None = None) -> RequestOutput:
+                   *, request_timeout_s: float | None = None,
+                   model_defaults: bool | list[str] | None = None) -> RequestOutput:
         """``generate`` for a conversation ([{"role": "user", "content": "..."}, ...]): the cluster
         applies the model's chat template with the generation prompt."""
-        return await self.generate(Conversation(messages), params, request_id, request_timeout_s=request_timeout_s)
+        return await self.generate(Conversation(messages), params, request_id, request_timeout_s=request_timeout_s,
+                                   model_defaults=model_defaults)
 
     def stream_chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-                    *, request_timeout_s: float | None = None) -> AsyncStream:
+                    *, request_timeout_s: float | None = None,
+                    model_defaults: bool | list[str] | None = None) -> AsyncStream:
         """``stream`` for a conversation."""
-        return self.stream(Conversation(messages), params, request_id, request_timeout_s=request_timeout_s)
+        return self.stream(Conversation(messages), params, request_id, request_timeout_s=request_timeout_s,
+                           model_defaults=model_defaults)
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request of this client: a waiting ``generate`` returns what it has so far,

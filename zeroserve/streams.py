@@ -20,9 +20,9 @@ class AsyncStream:
     iterator after ``break``) aborts the request if it is still running."""
 
     def __init__(self, client: AsyncClient, prompt: Any, params: SamplingParams, request_id: str | None,
-                 request_timeout_s: float | None) -> None:
+                 request_timeout_s: float | None, model_defaults: list[str]) -> None:
         self._client = client
-        self._args: tuple | None = (prompt, params, request_id, request_timeout_s)
+        self._args: tuple | None = (prompt, params, request_id, request_timeout_s, model_defaults)
         self._req: _Req | None = None
         self._closed = False
 
@@ -44,10 +44,11 @@ class AsyncStream:
             raise StopAsyncIteration
         r = self._req
         if r is None:
-            prompt, params, rid, timeout = self._args
+            prompt, params, rid, timeout, defaults = self._args
             self._args = None
             try:
-                r = self._req = self._client._submit(prompt, params, rid, timeout, streaming=True)
+                r = self._req = self._client._submit(prompt, params, rid, timeout, streaming=True,
+                                                     model_defaults=defaults)
             except BaseException:
                 self._closed = True
                 raise

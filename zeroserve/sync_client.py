@@ -107,22 +107,31 @@ class Client:
             raise
 
     def generate(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-                 *, request_timeout_s: float | None = None) -> RequestOutput:
-        return self._call(self._ac.generate(prompt, params, request_id, request_timeout_s=request_timeout_s))
+                 *, request_timeout_s: float | None = None,
+                 model_defaults: bool | list[str] | None = None) -> RequestOutput:
+        """Run one request to the end; ``params`` and ``model_defaults`` as in ``AsyncClient.generate``."""
+        return self._call(self._ac.generate(prompt, params, request_id, request_timeout_s=request_timeout_s,
+                                            model_defaults=model_defaults))
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-               *, request_timeout_s: float | None = None) -> SyncStream:
-        return SyncStream(self, self._ac.stream(prompt, params, request_id, request_timeout_s=request_timeout_s))
+               *, request_timeout_s: float | None = None,
+               model_defaults: bool | list[str] | None = None) -> SyncStream:
+        return SyncStream(self, self._ac.stream(prompt, params, request_id, request_timeout_s=request_timeout_s,
+                                                model_defaults=model_defaults))
 
     def chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-             *, request_timeout_s: float | None = None) -> RequestOutput:
+             *, request_timeout_s: float | None = None,
+             model_defaults: bool | list[str] | None = None) -> RequestOutput:
         """Run a conversation through the model's chat template -> RequestOutput."""
-        return self._call(self._ac.chat(messages, params, request_id, request_timeout_s=request_timeout_s))
+        return self._call(self._ac.chat(messages, params, request_id, request_timeout_s=request_timeout_s,
+                                        model_defaults=model_defaults))
 
     def stream_chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-                    *, request_timeout_s: float | None = None) -> SyncStream:
+                    *, request_timeout_s: float | None = None,
+                    model_defaults: bool | list[str] | None = None) -> SyncStream:
         return SyncStream(self, self._ac.stream_chat(messages, params, request_id,
-                                                     request_timeout_s=request_timeout_s))
+                                                     request_timeout_s=request_timeout_s,
+                                                     model_defaults=model_defaults))
 
     def abort(self, request_id: str) -> None:
         self._call(self._ac.abort(request_id))

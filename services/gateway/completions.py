@@ -221,7 +221,7 @@ async def _completions(gw, req: CompletionRequest):
     the first deltas came."""
     model = await gw.resolve_model(req.model)
     prompts = req.prompts()
-    sp = req.sampling_params()
+    sp, unset = req.sampling_params(), req.model_defaults()
     sp.model = model
     want_lp = sp.logprobs is not None
     tok = await gw.tokenizer(model, required=False) if (want_lp or req.echo) else None
@@ -233,8 +233,8 @@ async def _completions(gw, req: CompletionRequest):
     timeout = gw.cfg.request_timeout_s
     c = gw.client
     if not req.stream:
-        runs = [asyncio.ensure_future(c.generate(p, sp, f"{rid}-{i}", request_timeout_s=timeout))
-                for i, p in enumerate(prompts)]
+        runs = [asyncio.ensure_future(c.generate(p, sp, f"{rid}-{i}", request_timeout_s=timeout,
+                                                 model_defaults=unset)) for i, p in enumerate(prompts)]
         try:
             outs = await asyncio.gather(*runs)
         finally:
@@ -252,7 +252,8 @@ async def _completions(gw, req: CompletionRequest):
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": _usage(n_prompt, n_out, cached)}
 
-    streams = [c.stream(p, sp, f"{rid}-{i}", request_timeout_s=timeout) for i, p in enumerate(prompts)]
+    streams = [c.stream(p, sp, f"{rid}-{i}", request_timeout_s=timeout, model_defaults=unset)
+               for i, p in enumerate(prompts)]
     firsts = await _prefetch(streams)
 
     continuous = req.continuous_usage
@@ -297,7 +298,7 @@ async def _completions(gw, req: CompletionRequest):
 # ================================================================ chat
 async def _chat(gw, req: ChatCompletionRequest):
     model = await gw.resolve_model(req.model)
-    sp = req.sampling_params()
+    sp, unset = req.sampling_params(), req.model_defaults()
     sp.model = model
     messages = [m.plain() for m in req.messages]
     want_lp = sp.logprobs is not None
@@ -307,7 +308,7 @@ async def _chat(gw, req: ChatCompletionRequest):
     timeout = gw.cfg.request_timeout_s
     c = gw.client
     if not req.stream:
-        out = await c.chat(messages, sp, rid, request_timeout_s=timeout)
+        out = await c.chat(messages, sp, rid, request_timeout_s=timeout, model_defaults=unset)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": _chat_logprobs(tok, o.logprobs or [], top) if want_lp else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs]
@@ -315,7 +316,7 @@ async def _chat(gw, req: ChatCompletionRequest):
                 "usage": _usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
                                 out.num_cached_tokens)}
 
-    streams = [c.stream_chat(messages, sp, rid, request_timeout_s=timeout)]
+    streams = [c.stream_chat(messages, sp, rid, request_timeout_s=timeout, model_defaults=unset)]
     firsts = await _prefetch(streams)
 
     def chunk(choices: list[dict], **extra) -> bytes:

@@ -76,6 +76,15 @@ class _Sampling(BaseModel):
         except InvalidRequest as e:  # "SamplingParams: top_p must be ..." -> the field's own name
             raise InvalidRequest(str(e).removeprefix("SamplingParams: ")) from None
 
+    def model_defaults(self) -> list[str]:
+        """The sampling fields this body leaves unset: the model's generation config fills them
+        (as vLLM's server does), the rest of the unset ones keep SamplingParams' defaults."""
+        unset = [k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if getattr(self, k) is None]
+        return unset + ["max_tokens"] if self._limit_unset() else unset
+
+    def _limit_unset(self) -> bool:
+        raise NotImplementedError
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -102,6 +111,9 @@ class CompletionRequest(_Sampling):
         if isinstance(p[0], int):  # validated as one member of the union: every item is alike
             return [p]
         return list(p)
+
+    def _limit_unset(self) -> bool:
+        return "max_tokens" not in self.model_fields_set  # OpenAI's 16 unless the model says otherwise
 
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
@@ -140,6 +152,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
+
+    def _limit_unset(self) -> bool:
+        return self.max_completion_tokens is None and self.max_tokens is None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

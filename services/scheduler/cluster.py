@@ -18,7 +18,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -27,6 +27,7 @@ from common import messages as P
 from common.codec import check_version
 from common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
 from common.log import LogBudget, get_logger
+from common.sampling_params import with_model_defaults
 from services.scheduler.admission import (
     check_params_for_model,
     check_prompt_ids,
@@ -55,6 +56,7 @@ class ModelInfo:
     name: str
     cfg: ModelConfig
     tokenizer: object = None  # unused by the state: the shell tokenizes (service.py)
+    sampling_defaults: dict = field(default_factory=dict)  # for the fields a Submit leaves unset
 
 
 class Rate(NamedTuple):
@@ -115,8 +117,9 @@ class Cluster:
         if len(self.live) >= self.cfg.max_queue_len:
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
+        params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)
         key = str(next(self.keys))
-        self.live[key] = Live(key, m.request_id, ident, model, m.params, [], [], created=now,
+        self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
                               deadline=now + m.timeout_s if m.timeout_s else None)
         self.by_client[(ident, m.request_id)] = key
         if m.prompt_token_ids is not None:

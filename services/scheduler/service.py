@@ -41,16 +41,19 @@ BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
 
 
-def load_models(dirs: list[str]) -> dict[str, ModelInfo]:
-    """The served models' configs (cheap; a directory we cannot serve fails here, at start). Their
-    tokenizers load in the background (`SchedulerService`): transformers takes seconds to import,
-    and a restarted scheduler must answer pings and HELLOs at once."""
-    from common.model_config import ModelConfig
+def load_models(dirs: list[str], generation_config: str = "auto") -> dict[str, ModelInfo]:
+    """The served models' configs and sampling defaults (cheap; a directory we cannot serve fails
+    here, at start). Their tokenizers load in the background (`SchedulerService`): transformers
+    takes seconds to import, and a restarted scheduler must answer pings and HELLOs at once."""
+    from common.model_config import ModelConfig, resolve_sampling_defaults
 
     models = {}
     for d in dirs:
         mc = ModelConfig.from_dir(d)
-        models[mc.name] = ModelInfo(mc.name, mc, None)
+        defaults = resolve_sampling_defaults(mc, generation_config)
+        if defaults:  # vLLM says this too: a request's unset fields will not be SamplingParams' defaults
+            log.info("sampling defaults from the model's generation config", model=mc.name, **defaults)
+        models[mc.name] = ModelInfo(mc.name, mc, sampling_defaults=defaults)
     return models
 
 
@@ -60,7 +63,7 @@ class SchedulerService:
         self.chat_template = load_chat_template(cfg.chat_template)  # None: each model's own
         self.id = uuid.uuid4().hex[:12]
         self.ctx = ctx or zmq.Context.instance()
-        models = load_models(cfg.models)
+        models = load_models(cfg.models, cfg.generation_config)
         self.addrs = addrs = cfg.addresses()
         # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
         # domain is its name): client keys on "client", worker and detokenizer keys on "backend"
