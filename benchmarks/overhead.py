@@ -71,8 +71,9 @@ def run_cluster(model_dir: Path, wl, args, threads: int) -> dict:
         for c in children:
             c.start()
         wait_ready(address, 1, children, timeout_s=300)
-        with Client(address) as c:  # warm-up
-            c.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        with Client(address) as c:  # warm-up; a text prompt waits for the scheduler's tokenizer, which
+            # otherwise loads in the background during the timed run (seconds of CPU on a 2-core box)
+            c.generate("warm up", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             steps0, busy0 = _worker_stats(c.stats())
         with Timer() as t:
             tokens = asyncio.run(_submit_all(address, wl))
