@@ -45,9 +45,7 @@ from common.schema import (  # noqa: F401 - the field types are part of the mess
 PROTOCOL_VERSION = 2
 
 
-# --------------------------------------------------------------------------------------------
-# Client <-> scheduler
-# --------------------------------------------------------------------------------------------
+# ==================================================================== Client <-> scheduler
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -61,7 +59,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
 MAX_PING_IDS = 256
 
 
-ModelDefaultField = Literal["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"]
+ModelDefaultField = Literal[MODEL_DEFAULT_FIELDS]  # the sampling fields a model's generation config may set
 
 
 class Submit(Message):
@@ -200,9 +198,7 @@ class Error(Message):
         return error_from_code(self.code, self.message)
 
 
-# --------------------------------------------------------------------------------------------
-# Worker / detokenizer <-> scheduler
-# --------------------------------------------------------------------------------------------
+# ==================================================================== Worker / detokenizer <-> scheduler
 
 
 class ShardMemory(Message):
@@ -406,9 +402,7 @@ class Shutdown(Message):
     reason: Text = ""
 
 
-# --------------------------------------------------------------------------------------------
-# Detokenizer <-> scheduler
-# --------------------------------------------------------------------------------------------
+# ==================================================================== Detokenizer <-> scheduler
 
 
 class DetokRequest(Message):
@@ -505,5 +499,3 @@ MESSAGE_TYPES: dict[bytes, type[Message]] = {
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }
 NESTED_TYPES = (ChatMessage, ModelCard, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)
-
-assert set(MODEL_DEFAULT_FIELDS) == set(ModelDefaultField.__args__), "Submit.model_defaults names what a model may set"
