@@ -227,7 +227,7 @@ def config_from_gguf(path: str | os.PathLike):
     if arch != "qwen2":  # from_hf_dict ties o_proj's bias to q/k/v's; GGUF says which exist
         cfg.o_proj_bias = "blk.0.attn_output.bias" in tensors
     cfg.name = path.stem
-    cfg.sampling_defaults = defaults_from_gguf(meta, source)
+    cfg.sampling_defaults = defaults_from_gguf(meta)
     return cfg
 
 

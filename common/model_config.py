@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ModelLoadError
-from common.sampling_params import defaults_from_generation_config
+from common.sampling_params import check_defaults, defaults_from_generation_config
 
 # architecture name in config.json -> family our model code uses
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -60,7 +60,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_dir: str = ""
     name: str = ""
-    # what generation_config.json (or a GGUF's general.sampling.*) sets for fields a request leaves unset
+    # what generation_config.json (or a GGUF's general.sampling.*) sets for fields a request leaves
+    # unset, as read (resolve_sampling_defaults checks them where they are used)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
@@ -245,8 +246,7 @@ class ModelConfig:
             pad_token_id=None if pad is None else int(pad),
             model_dir=str(model_dir),
             name=name,
-            sampling_defaults=defaults_from_generation_config(generation, source.replace("config.json",
-                                                                                        "generation_config.json")),
+            sampling_defaults=defaults_from_generation_config(generation),
         )
 
 
@@ -254,13 +254,17 @@ GENERATION_CONFIG_CHOICES = "auto | none | FILE"
 
 
 def resolve_sampling_defaults(cfg: ModelConfig, choice: str | None) -> dict[str, Any]:
-    """The sampling defaults to serve `cfg` with, by `--generation-config`: "auto" = the model's
-    own, "none" = SamplingParams' defaults alone, else a generation_config.json file (or a
-    directory holding one) whose values replace the model's."""
+    """The sampling defaults to serve `cfg` with, checked, by `--generation-config`: "auto" = the
+    model's own, "none" (or vLLM's "vllm") = SamplingParams' defaults alone, else a
+    generation_config.json file (or a directory holding one) whose values replace the model's
+    (one file for every model a scheduler serves)."""
     if choice in (None, "auto"):
-        return dict(cfg.sampling_defaults)
-    if choice == "none":
+        where = "generation_config.json" if not cfg.model_dir.endswith(".gguf") else "general.sampling.*"
+        return check_defaults(dict(cfg.sampling_defaults), f"{cfg.name or cfg.model_dir}: {where}")
+    if choice in ("none", "vllm"):
         return {}
+    if not isinstance(choice, str) or not choice.strip():
+        raise ModelLoadError(f"--generation-config must be auto, none or a file, got {choice!r}")
     path = Path(choice)
     if path.is_dir():
         path = path / "generation_config.json"
@@ -270,7 +274,7 @@ def resolve_sampling_defaults(cfg: ModelConfig, choice: str | None) -> dict[str,
     gen = _read_json(path)
     if not isinstance(gen, dict):
         raise ModelLoadError(f"{str(path)!r}: expected a JSON object at top level")
-    return defaults_from_generation_config(gen, str(path))
+    return check_defaults(defaults_from_generation_config(gen), str(path))
 
 
 def resolve_model_path(model_path: str | os.PathLike) -> tuple[str, Path]:

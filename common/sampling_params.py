@@ -139,27 +139,28 @@ _FROM_GGUF = {"general.sampling.temp": "temperature", "general.sampling.top_p": 
               "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def _checked_defaults(out: dict[str, Any], source: str) -> dict[str, Any]:
+def check_defaults(out: dict[str, Any], source: str) -> dict[str, Any]:
+    """`out` if SamplingParams accepts every value; else ModelLoadError naming `source`, the field
+    and the way around it (the scheduler and LLM check when they start; workers never read them)."""
     from common.errors import ModelLoadError
 
     try:
         SamplingParams(**out, min_tokens=0)
     except (InvalidRequest, TypeError) as e:
         raise ModelLoadError(f"{source}: a sampling default is out of range: {str(e).removeprefix('SamplingParams: ')}"
-                             ) from None
+                             " (serve without the model's defaults: --generation-config none)") from None
     return out
 
 
-def defaults_from_generation_config(gen: dict[str, Any], source: str = "generation_config.json") -> dict[str, Any]:
-    """The sampling defaults a parsed generation_config.json sets (our field names), checked."""
-    out = {ours: gen[hf] for hf, ours in _FROM_HF.items()
-           if gen.get(hf) is not None and not (hf in _HF_OWN_DEFAULTS and gen[hf] == _HF_OWN_DEFAULTS[hf])}
-    return _checked_defaults(out, source)
+def defaults_from_generation_config(gen: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a parsed generation_config.json sets (our field names), unchecked."""
+    return {ours: gen[hf] for hf, ours in _FROM_HF.items()
+            if gen.get(hf) is not None and not (hf in _HF_OWN_DEFAULTS and gen[hf] == _HF_OWN_DEFAULTS[hf])}
 
 
-def defaults_from_gguf(meta: dict[str, Any], source: str) -> dict[str, Any]:
-    """The sampling defaults of a GGUF's `general.sampling.*` metadata (llama.cpp's keys)."""
-    return _checked_defaults({ours: meta[k] for k, ours in _FROM_GGUF.items() if meta.get(k) is not None}, source)
+def defaults_from_gguf(meta: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults of a GGUF's `general.sampling.*` metadata (llama.cpp's keys), unchecked."""
+    return {ours: meta[k] for k, ours in _FROM_GGUF.items() if meta.get(k) is not None}
 
 
 def with_model_defaults(params: SamplingParams, fields: Any, defaults: dict[str, Any]) -> SamplingParams:

@@ -50,6 +50,7 @@ class LLMEngine:
         self.args = args
         model_dir = Path(args.model) if args.model else default_model_dir()
         self.model_cfg = ModelConfig.from_dir(model_dir)
+        self.sampling_defaults = resolve_sampling_defaults(self.model_cfg, args.generation_config)
         self.tokenizer = load_tokenizer(model_dir)
         max_len = args.max_model_len or self.model_cfg.max_position_embeddings
         if max_len > self.model_cfg.max_position_embeddings:
@@ -61,7 +62,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_len, self.model_cfg.eos_token_ids)
         self.rng = random.Random(args.seed)
-        self.sampling_defaults = resolve_sampling_defaults(self.model_cfg, args.generation_config)
         self.tracked: dict[str, _Tracked] = {}
         self._next_id = 0
 

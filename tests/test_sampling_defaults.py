@@ -17,6 +17,7 @@ from common.model_config import ModelConfig, resolve_sampling_defaults
 from common.sampling_params import (
     MODEL_DEFAULT_FIELDS,
     SamplingParams,
+    check_defaults,
     defaults_from_generation_config,
     defaults_from_gguf,
     unset_fields,
@@ -27,7 +28,7 @@ from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fix
 from tests.helpers import cached_model_dir, make_model_dir, torch_single_thread  # noqa: F401 (fixture)
 from tests.scheduler_sim import CLIENT_ID, MODEL, make_cluster
 from zeroserve import LLM
-from zeroserve._request import _model_defaults
+from zeroserve._request import _check_params, _model_defaults
 
 GEN = {"temperature": 0.0, "max_new_tokens": 5, "top_k": 50, "top_p": 0.9, "do_sample": True, "bos_token_id": 1}
 PROMPT = "hello world, this is"
@@ -41,19 +42,19 @@ def test_generation_config_fields_become_defaults():
     assert defaults_from_generation_config({"top_k": 20, "repetition_penalty": 1.05, "min_p": 0.1}) == {
         "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.1}
     assert defaults_from_generation_config({"eos_token_id": 2, "temperature": None}) == {}
-    with pytest.raises(ModelLoadError, match=r"gen\.json: .*top_p must be in \(0, 1\]"):
-        defaults_from_generation_config({"top_p": 7}, "gen.json")
+    assert check_defaults(d, "x") == d
+    with pytest.raises(ModelLoadError, match=r"gen\.json: .*top_p must be in \(0, 1\].*--generation-config none"):
+        check_defaults(defaults_from_generation_config({"top_p": 7}), "gen.json")
     with pytest.raises(ModelLoadError, match="temperature must be a finite number"):
-        defaults_from_generation_config({"temperature": "hot"})
+        check_defaults(defaults_from_generation_config({"temperature": "hot"}), "x")
 
 
 def test_gguf_sampling_metadata_become_defaults():
     meta = {"general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.top_p": 0.95,
             "general.sampling.penalty_repeat": 1.1, "general.sampling.mirostat": 0, "general.name": "x"}
-    assert defaults_from_gguf(meta, "m.gguf") == {"temperature": 0.6, "top_k": 20, "top_p": 0.95,
-                                                  "repetition_penalty": 1.1}
+    assert defaults_from_gguf(meta) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1}
     with pytest.raises(ModelLoadError, match="m.gguf"):
-        defaults_from_gguf({"general.sampling.top_k": -3}, "m.gguf")
+        check_defaults(defaults_from_gguf({"general.sampling.top_k": -3}), "m.gguf")
 
 
 def test_only_unset_fields_take_the_models_value():
@@ -76,11 +77,14 @@ def test_what_counts_as_unset_on_each_path():
     assert _model_defaults(None, ["top_p", "top_p"]) == ["top_p"]
     with pytest.raises(InvalidRequest, match="model_defaults must be"):
         _model_defaults(None, ["seed"])
+    # a dict's min_tokens over the placeholder max_tokens (16) is no error: max_tokens is unset
+    assert _check_params({"min_tokens": 32}).max_tokens == 32
     # the gateway's bodies: what the JSON leaves out
     c = CompletionRequest(prompt="x", temperature=0.5)
-    assert c.model_defaults() == ["top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"]
-    assert "max_tokens" not in CompletionRequest(prompt="x", max_tokens=16).model_defaults()
-    assert CompletionRequest(prompt="x").sampling_params().max_tokens == 16  # OpenAI's default stays
+    # completions keep OpenAI's max_tokens 16 when the body leaves it out; null takes the model's (vLLM)
+    assert c.model_defaults() == ["top_p", "top_k", "min_p", "repetition_penalty"]
+    assert c.sampling_params().max_tokens == 16
+    assert CompletionRequest(prompt="x", max_tokens=None).model_defaults()[-1] == "max_tokens"
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4, top_k=3)
     assert chat.model_defaults() == ["temperature", "top_p", "min_p", "repetition_penalty"]
 
@@ -103,7 +107,9 @@ def test_model_dirs_and_the_generation_config_knob(tmp_path):
     cfg = ModelConfig.from_dir(d)
     assert cfg.sampling_defaults == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 5}
     assert resolve_sampling_defaults(cfg, "auto") == cfg.sampling_defaults
-    assert resolve_sampling_defaults(cfg, "none") == {}
+    assert resolve_sampling_defaults(cfg, "none") == resolve_sampling_defaults(cfg, "vllm") == {}
+    with pytest.raises(ModelLoadError, match="must be auto, none or a file"):
+        resolve_sampling_defaults(cfg, " ")
     other = tmp_path / "other"
     other.mkdir()
     (other / "generation_config.json").write_text(json.dumps({"top_k": 7}))
@@ -111,9 +117,12 @@ def test_model_dirs_and_the_generation_config_knob(tmp_path):
     assert resolve_sampling_defaults(cfg, str(other / "generation_config.json")) == {"top_k": 7}
     with pytest.raises(ModelLoadError, match="no such file"):
         resolve_sampling_defaults(cfg, str(tmp_path / "missing.json"))
+    # a bad value fails where the defaults are used, not the model's load (workers never read them)
     (d / "generation_config.json").write_text(json.dumps({"top_p": 0}))
-    with pytest.raises(ModelLoadError, match="generation_config.json.*top_p"):
-        ModelConfig.from_dir(d)
+    cfg = ModelConfig.from_dir(d)
+    with pytest.raises(ModelLoadError, match="generation_config.json.*top_p.*--generation-config none"):
+        resolve_sampling_defaults(cfg, "auto")
+    assert resolve_sampling_defaults(cfg, "none") == {}
 
 
 def test_llm_without_params_uses_the_models_defaults(tmp_path, torch_single_thread):  # noqa: F811
@@ -180,10 +189,13 @@ def test_cluster_and_gateway_apply_the_generation_config(served):
 
     oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
     model = oai.models.list().data[0].id
-    r = oai.completions.create(model=model, prompt=PROMPT, extra_body={"ignore_eos": True,
-                                                                       "return_tokens_as_token_ids": True},
-                               logprobs=0)
-    assert r.usage.completion_tokens == 5  # not OpenAI's 16: the model's max_new_tokens
+    r = oai.completions.create(model=model, prompt=PROMPT, logprobs=0, extra_body={
+        "ignore_eos": True, "return_tokens_as_token_ids": True, "max_tokens": None})
+    assert r.usage.completion_tokens == 5  # max_tokens null: the model's max_new_tokens
     assert [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens] == ref
-    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=16, extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 16  # a limit the body gives wins
+    r = oai.completions.create(model=model, prompt=PROMPT, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16  # left out: OpenAI's 16, as vLLM; the model's temperature still
+    assert r.choices[0].text == oai.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0,
+                                                       top_p=0.9, extra_body={"ignore_eos": True}).choices[0].text
+    chat_free = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert "max_tokens" in chat_free.model_defaults()  # chat has no default limit of its own

@@ -67,6 +67,9 @@ def _check_params(params: Any) -> SamplingParams:
         params.validate()  # it may have been changed since it was built
         return params
     if isinstance(params, dict):
+        mt = params.get("min_tokens")
+        if "max_tokens" not in params and isinstance(mt, int) and not isinstance(mt, bool) and mt > 16:
+            params = {**params, "max_tokens": mt}  # unset: the model's default (or 16) applies, raised to it
         return SamplingParams.from_dict(params)
     raise InvalidRequest(f"params must be a SamplingParams or a dict of its fields, got {type(params).__name__}")
 

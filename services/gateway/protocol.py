@@ -113,7 +113,7 @@ class CompletionRequest(_Sampling):
         return list(p)
 
     def _limit_unset(self) -> bool:
-        return "max_tokens" not in self.model_fields_set  # OpenAI's 16 unless the model says otherwise
+        return self.max_tokens is None  # as vLLM: a body without one gets OpenAI's 16; null takes the model's
 
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
