@@ -250,9 +250,6 @@ class ModelConfig:
         )
 
 
-GENERATION_CONFIG_CHOICES = "auto | none | FILE"
-
-
 def resolve_sampling_defaults(cfg: ModelConfig, choice: str | None) -> dict[str, Any]:
     """The sampling defaults to serve `cfg` with, checked, by `--generation-config`: "auto" = the
     model's own, "none" (or vLLM's "vllm") = SamplingParams' defaults alone, else a

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, ModelLoadError
 
 _GREEDY_EPS = 1e-5
 INT32_MAX = 2**31 - 1  # token counts, ids and top_k travel as int32 further down the line
@@ -142,8 +142,6 @@ _FROM_GGUF = {"general.sampling.temp": "temperature", "general.sampling.top_p": 
 def check_defaults(out: dict[str, Any], source: str) -> dict[str, Any]:
     """`out` if SamplingParams accepts every value; else ModelLoadError naming `source`, the field
     and the way around it (the scheduler and LLM check when they start; workers never read them)."""
-    from common.errors import ModelLoadError
-
     try:
         SamplingParams(**out, min_tokens=0)
     except (InvalidRequest, TypeError) as e:

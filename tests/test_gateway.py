@@ -10,6 +10,7 @@ must arrive as the SDK's typed exception; an abandoned stream must free its KV b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -36,6 +37,21 @@ def start_gateway(cluster: LocalCluster, name: str, *args: str, scheduler: str |
     cluster._start(name, cluster._cmd("gateway", "--scheduler", scheduler or cluster.address, "--port", str(port),
                                       *args), role="gateway")
     return f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def cluster_with_gateway(scheduler_args: list[str]):
+    """The tiny llama model on one worker, a scheduler with `scheduler_args` and one gateway,
+    all ready -> (cluster, the gateway's base URL); stopped on exit."""
+    c = LocalCluster(cached_model_dir(ARCH), workers=1, num_kv_blocks=128, scheduler_args=scheduler_args)
+    try:
+        c.start()
+        url = start_gateway(c, "gateway")
+        c.wait_ready(timeout=180)
+        wait_http(url, c, "gateway")
+        yield c, url
+    finally:
+        c.stop()
 
 
 def wait_http(url: str, cluster: LocalCluster, name: str, timeout: float = 60.0) -> None:

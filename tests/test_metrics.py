@@ -13,9 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.transport import free_port_block
-from tests.cluster import REPO, LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
-from tests.helpers import cached_model_dir
-from tests.test_gateway import start_gateway, wait_http
+from tests.cluster import REPO, no_leftover_processes  # noqa: F401 (fixture)
+from tests.test_gateway import cluster_with_gateway
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -29,17 +28,9 @@ VLLM_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_pe
 
 @pytest.fixture(scope="module")
 def env():
-    model = cached_model_dir("llama")
     mport = free_port_block(1)
-    c = LocalCluster(model, workers=1, num_kv_blocks=128, scheduler_args=["--metrics-port", str(mport)])
-    try:
-        c.start()
-        url = start_gateway(c, "gateway")
-        c.wait_ready(timeout=180)
-        wait_http(url, c, "gateway")
+    with cluster_with_gateway(["--metrics-port", str(mport)]) as (c, url):
         yield c, url, f"http://127.0.0.1:{mport}/metrics"
-    finally:
-        c.stop()
 
 
 def samples(text: str) -> dict[tuple, float]:

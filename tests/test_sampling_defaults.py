@@ -24,8 +24,8 @@ from common.sampling_params import (
     with_model_defaults,
 )
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
-from tests.helpers import cached_model_dir, make_model_dir, torch_single_thread  # noqa: F401 (fixture)
+from tests.cluster import no_leftover_processes  # noqa: F401 (fixture)
+from tests.helpers import make_model_dir, torch_single_thread  # noqa: F401 (fixture)
 from tests.scheduler_sim import CLIENT_ID, MODEL, make_cluster
 from zeroserve import LLM
 from zeroserve._request import _check_params, _model_defaults
@@ -155,20 +155,12 @@ def test_the_scheduler_fills_only_what_a_submit_leaves_unset():
 # --------------------------------------------------------------------------- a real cluster + gateway
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tests.test_gateway import start_gateway, wait_http
+    from tests.test_gateway import cluster_with_gateway
 
     gen = tmp_path_factory.mktemp("gen") / "generation_config.json"
     gen.write_text(json.dumps(GEN))
-    model = cached_model_dir("llama")
-    c = LocalCluster(model, workers=1, num_kv_blocks=128, scheduler_args=["--generation-config", str(gen)])
-    try:
-        c.start()
-        url = start_gateway(c, "gateway")
-        c.wait_ready(timeout=180)
-        wait_http(url, c, "gateway")
-        yield c, url
-    finally:
-        c.stop()
+    with cluster_with_gateway(["--generation-config", str(gen)]) as served:
+        yield served
 
 
 @pytest.mark.usefixtures("no_leftover_processes")

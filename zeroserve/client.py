@@ -23,15 +23,17 @@ client ROUTER, and two background tasks on the event loop the client is first us
   turns it into a ``StreamDelta`` when the consumer asks for it), ``Pong`` / ``StatsReply`` /
   ``ModelsReply`` to the futures waiting for them. Items of requests this client no longer
   tracks (aborted, timed out) are dropped.
-* the liveness ticker (``zeroserve/liveness.py``) runs only while requests are live: it sends ``Ping`` every second (the
-  scheduler aborts the requests of a client silent for 10 s) and fails every live request
-  with ``ClusterUnavailable`` once nothing at all came from the scheduler for ``timeout_s``.
-* (``zeroserve/liveness.py``) every ``Pong`` names the scheduler (``scheduler_id``, new at each start). A request belongs to
-  the scheduler that answers the first Ping sent after its Submit; a Pong from another one
-  means the scheduler restarted and the request is lost with it: it fails at once with
-  ``ClusterUnavailable("the scheduler restarted; ...")`` (within a ping interval of the new
-  scheduler's start), or, with ``retries=N``, is submitted again to the new scheduler when
-  it had no output yet (nothing was streamed, so a second run repeats nothing).
+* the liveness ticker (``zeroserve/liveness.py``) runs only while requests are live: it sends
+  ``Ping`` every second (the scheduler aborts the requests of a client silent for 10 s) and
+  fails every live request with ``ClusterUnavailable`` once nothing at all came from the
+  scheduler for ``timeout_s``.
+* every ``Pong`` names the scheduler (``scheduler_id``, new at each start; also in
+  ``zeroserve/liveness.py``). A request belongs to the scheduler that answers the first Ping
+  sent after its Submit; a Pong from another one means the scheduler restarted and the
+  request is lost with it: it fails at once with ``ClusterUnavailable("the scheduler
+  restarted; ...")`` (within a ping interval of the new scheduler's start), or, with
+  ``retries=N``, is submitted again to the new scheduler when it had no output yet (nothing
+  was streamed, so a second run repeats nothing).
 
 Every way a request can end early on the client side (``abort()``, ``request_timeout_s``, the
 cluster going silent, leaving a stream with ``break`` / ``aclose()``, cancelling the task that

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
-from common.sampling_params import SamplingParams
+from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -79,8 +79,8 @@ class _Sampling(BaseModel):
     def model_defaults(self) -> list[str]:
         """The sampling fields this body leaves unset: the model's generation config fills them
         (as vLLM's server does), the rest of the unset ones keep SamplingParams' defaults."""
-        unset = [k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if getattr(self, k) is None]
-        return unset + ["max_tokens"] if self._limit_unset() else unset
+        return [k for k in MODEL_DEFAULT_FIELDS
+                if (self._limit_unset() if k == "max_tokens" else getattr(self, k) is None)]
 
     def _limit_unset(self) -> bool:
         raise NotImplementedError
