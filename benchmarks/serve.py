@@ -17,6 +17,9 @@ Our cluster also tells each request's own receipt-to-first-token time (the gatew
 TTFT minus it ("TTFT outside cluster") is the transport's share, and the difference of its
 medians between http and direct is what the gateway adds to a request's TTFT. The plain TTFT
 difference also holds how each phase's arrivals happened to batch, seconds apart under load.
+The gateway's `zeroserve-gateway-first-token-latency` (its handler's start to the first token)
+splits http's share in two: before the handler ran (the HTTP write, the kernel, the gateway's
+event loop busy with other requests) and in the handler outside the cluster.
 
 The HTTP client is a small keep-alive HTTP/1.1 client on uvloop with httptools' parser (what
 uvicorn parses with), not httpx: httpx spent 233 us of CPU per streamed event here, more than
@@ -48,6 +51,11 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
 
 
+# response headers our gateway adds (seconds) -> the _Conn attribute that keeps them
+_TIMING_HEADERS = {b"zeroserve-first-token-latency": "first_token_latency",
+                   b"zeroserve-gateway-first-token-latency": "gateway_first_token_latency"}
+
+
 @dataclass
 class Req:
     prompt: list[int]
@@ -61,6 +69,7 @@ class Result:
     output_tokens: int = 0
     ttft: float = 0.0
     cluster_ttft: float | None = None  # the scheduler's own receipt-to-first-token time, when it says
+    gateway_ttft: float | None = None  # our gateway's, from its handler starting on the request
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
@@ -115,6 +124,7 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.error: BaseException | None = None
         self.first_token_latency: float | None = None
+        self.gateway_first_token_latency: float | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -136,9 +146,10 @@ class _Conn(asyncio.Protocol):
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"zeroserve-first-token-latency":  # our gateway: the cluster's share of TTFT
+        attr = _TIMING_HEADERS.get(name.lower())  # our gateway's: the cluster's and its own share of TTFT
+        if attr is not None:
             try:
-                self.first_token_latency = float(value)
+                setattr(self, attr, float(value))
             except ValueError:
                 pass
 
@@ -319,6 +330,7 @@ async def http_one(client: HTTPClient, model: str, r: Req, logprobs: int | None 
         await conn.finish()
         res.e2e = time.perf_counter() - t0
         res.cluster_ttft = conn.first_token_latency
+        res.gateway_ttft = conn.gateway_first_token_latency
         res.output_tokens = res.output_tokens or chunks
         res.ok = True
     except Exception as e:  # noqa: BLE001 - counted as a failed request
@@ -392,6 +404,11 @@ def summarize(results: list[Result], duration: float, label: str) -> dict:
             # http the gateway and HTTP; for direct the client's ZMQ path), free of how arrivals
             # happened to batch, which moves TTFT itself by seconds under load
             **stats([r.ttft - r.cluster_ttft for r in ok if r.cluster_ttft is not None], "ttft_outside"),
+            # of that, for our gateway: before its handler ran (the HTTP write, the kernel, the
+            # gateway's loop busy with other requests) and in the handler outside the cluster
+            **stats([r.ttft - r.gateway_ttft for r in ok if r.gateway_ttft is not None], "ttft_pre_handler"),
+            **stats([r.gateway_ttft - r.cluster_ttft for r in ok
+                     if r.gateway_ttft is not None and r.cluster_ttft is not None], "ttft_handler"),
             **stats([x for r in ok for x in r.itl], "itl"), **stats([r.e2e for r in ok], "e2el"),
             "errors": sorted({r.error for r in results if not r.ok})[:5]}
 
@@ -405,9 +422,10 @@ def print_report(s: dict) -> None:
             ("Output token throughput (tok/s)", s["output_throughput"]),
             ("Total Token throughput (tok/s)", s["total_token_throughput"])]
     for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"),
-                      ("TTFT outside cluster", "ttft_outside")):
+                      ("TTFT outside cluster", "ttft_outside"), ("TTFT before gateway handler", "ttft_pre_handler"),
+                      ("TTFT in gateway handler", "ttft_handler")):
         for kind in ("mean", "median", "p99"):
-            if s.get(f"{kind}_{key}_ms") is not None or key != "ttft_outside":
+            if s.get(f"{kind}_{key}_ms") is not None or not key.startswith("ttft_"):
                 rows.append((f"{kind.capitalize() if kind != 'p99' else 'P99'} {name} (ms)", s[f"{kind}_{key}_ms"]))
     for name, v in rows:
         print(f"{name:<40}{v:>14.2f}" if isinstance(v, float) else f"{name:<40}{v!s:>14}")
@@ -596,6 +614,9 @@ def main(argv=None) -> int:
             print(f"median TTFT outside the cluster: http {h['median_ttft_outside_ms']:.2f} ms, direct "
                   f"{d['median_ttft_outside_ms']:.2f} ms: the gateway adds "
                   f"{h['median_ttft_outside_ms'] - d['median_ttft_outside_ms']:.2f} ms")
+        if h.get("median_ttft_pre_handler_ms") is not None and h.get("median_ttft_handler_ms") is not None:
+            print(f"  http's, split at the gateway's handler (medians): {h['median_ttft_pre_handler_ms']:.2f} ms before "
+                  f"it ran, {h['median_ttft_handler_ms']:.2f} ms in it outside the cluster")
     if args.json:
         record = {"args": vars(args), "results": results}
         text = json.dumps(record, indent=2, default=str)

@@ -211,14 +211,16 @@ def test_streaming_completions_sync_and_async(env, oai, model_id):
 
 def test_first_token_latency_reaches_stream_clients(env, model_id):
     """The cluster's own receipt-to-first-token time: a header on streamed HTTP responses and on
-    AsyncClient's first delta (benchmarks/serve.py subtracts it to see the gateway's share)."""
+    AsyncClient's first delta, with the gateway's handler-to-first-token time beside it
+    (benchmarks/serve.py subtracts them to see where the transport's share goes)."""
     body = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
     t0 = time.perf_counter()
     with httpx.stream("POST", env[1]["main"] + "/v1/completions", json=body, timeout=60.0) as r:
         assert r.status_code == 200
         lat = float(r.headers["zeroserve-first-token-latency"])
+        gw_lat = float(r.headers["zeroserve-gateway-first-token-latency"])  # the gateway's handler: holds the cluster's
         list(r.iter_lines())
-    assert 0.0 < lat < time.perf_counter() - t0
+    assert 0.0 < lat <= gw_lat < time.perf_counter() - t0
 
     async def direct():
         from zeroserve import AsyncClient, SamplingParams

@@ -127,6 +127,7 @@ async def handle(gw, scope, receive, send, chunk_send=None) -> None:
     """One request to either path (Outer routes them here). `chunk_send`, if given, takes the
     streamed chunks after the response start went through `send` (Outer's counting wrapper
     only needs to see the status)."""
+    started = time.perf_counter()
     if scope["method"] != "POST":
         return await APIError(405, f"{scope['method']} is not allowed on {scope['path']}; use POST",
                               "BadRequestError", "method_not_allowed").send(send)
@@ -134,7 +135,7 @@ async def handle(gw, scope, receive, send, chunk_send=None) -> None:
     if body is None:
         return  # the client left before its body arrived
     chat = scope["path"] == "/v1/chat/completions"
-    await _until_disconnect(receive, _respond(gw, chat, body, send, chunk_send or send))
+    await _until_disconnect(receive, _respond(gw, chat, body, send, chunk_send or send, started))
 
 
 async def _read_body(receive) -> bytes | None:
@@ -148,7 +149,7 @@ async def _read_body(receive) -> bytes | None:
             return b"".join(parts)
 
 
-async def _respond(gw, chat: bool, body: bytes, send, chunk_send) -> None:
+async def _respond(gw, chat: bool, body: bytes, send, chunk_send, started: float) -> None:
     try:
         try:
             req = (ChatCompletionRequest if chat else CompletionRequest).model_validate_json(body)
@@ -164,9 +165,10 @@ async def _respond(gw, chat: bool, body: bytes, send, chunk_send) -> None:
         return await api_error(e).send(send)
     if isinstance(result, dict):
         return await send_json(send, result)
-    chunks, streams, extra = result
+    chunks, streams, firsts = result
     try:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + extra})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _SSE_HEADERS + _latency_headers(firsts, started)})
         async for chunk in chunks:
             last = chunk.endswith(_DONE)  # the end of the response rides on the last write
             await chunk_send({"type": "http.response.body", "body": chunk, "more_body": not last})
@@ -217,8 +219,8 @@ async def _until_disconnect(receive, coro):
 
 # ================================================================ completions
 async def _completions(gw, req: CompletionRequest):
-    """A whole response (dict) or, for stream: true, (the SSE chunks, the cluster streams) once
-    the first deltas came."""
+    """A whole response (dict) or, for stream: true, (the SSE chunks, the cluster streams, their
+    first deltas) once the first deltas came."""
     model = await gw.resolve_model(req.model)
     prompts = req.prompts()
     sp, unset = req.sampling_params(), req.model_defaults()
@@ -292,7 +294,7 @@ async def _completions(gw, req: CompletionRequest):
         out.append(_DONE)
         yield b"".join(out)
 
-    return events(), streams, _latency_header(firsts)
+    return events(), streams, firsts
 
 
 # ================================================================ chat
@@ -349,7 +351,7 @@ async def _chat(gw, req: ChatCompletionRequest):
         out.append(_DONE)
         yield b"".join(out)
 
-    return events(), streams, _latency_header(firsts)
+    return events(), streams, firsts
 
 
 # ================================================================ streams
@@ -381,11 +383,18 @@ async def _prefetch(streams: list) -> list:
     return results
 
 
-def _latency_header(firsts: list) -> list[tuple[bytes, bytes]]:
-    """The cluster's own time to the first token (the slowest prompt's), as a response header: a
-    client subtracts it from the TTFT it saw to get what the transport (this gateway) added."""
+def _latency_headers(firsts: list, started: float) -> list[tuple[bytes, bytes]]:
+    """Two timings of the first token, as response headers (seconds): the cluster's own (the
+    scheduler's receipt to its first token, the slowest prompt's) and this gateway's (its handler
+    starting on the request to these headers, which the first token follows at once). A client
+    subtracts them from the TTFT it saw: TTFT minus the gateway's is the time before the handler
+    ran (its own HTTP write, the kernel, this process's event loop busy with other requests);
+    the gateway's minus the cluster's is the handler's own share and its ZeroMQ hops."""
+    out = [(b"zeroserve-gateway-first-token-latency", f"{time.perf_counter() - started:.6f}".encode())]
     lat = [d.first_token_latency for d in firsts if getattr(d, "first_token_latency", None) is not None]
-    return [(b"zeroserve-first-token-latency", f"{max(lat):.6f}".encode())] if lat else []
+    if lat:
+        out.append((b"zeroserve-first-token-latency", f"{max(lat):.6f}".encode()))
+    return out
 
 
 async def _chain(firsts: list, streams: list) -> AsyncIterator[tuple[int, Any, bool]]:
