@@ -455,6 +455,8 @@ def launch(model: str, args):
         argv += ["--threads", str(args.threads)]
     if args.device:
         argv += ["--device", args.device]
+    if args.gateway_nice:
+        argv += ["--gateway-nice", str(args.gateway_nice)]
     up = build_parser().parse_args(argv)
     children = plan_children(up, model, gateway=True)
     for c in children:
@@ -569,6 +571,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--gateway-nice", type=int, default=0, help="with --launch: the gateway's nice value (below 0 "
+                    "needs root or CAP_SYS_NICE)")
     ap.add_argument("--model", default=None, help="model name (default: the server's first)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--num-prompts", type=int, default=200)

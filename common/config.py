@@ -351,6 +351,7 @@ class LaunchArgs:
     tp: int = knob(1, "tensor-parallel shards per worker group")
     gateway: bool = knob(True, "do not start the OpenAI-compatible HTTP gateway", flag="--no-gateway")
     gateway_port: int = knob(8000, "the HTTP gateway's port")
+    gateway_nice: int = knob(0, "the gateway's nice value (its --nice)")
 
 
 @dataclass(kw_only=True)
@@ -376,6 +377,8 @@ class GatewayArgs(CurveClientArgs):
     timeout_s: float = knob(10.0, "seconds the scheduler may stay silent before requests get 503", flag="--timeout")
     request_timeout_s: float | None = knob(None, "limit on one request's total time (504 after it; default: none)",
                                            flag="--request-timeout")
+    nice: int = knob(0, "this process's nice value, -20..19: on cores shared with the cluster and its clients a "
+                        "negative one gets the gateway the CPU sooner (it needs root or CAP_SYS_NICE)")
 
 
 @dataclass(kw_only=True)

@@ -89,7 +89,7 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
             children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine]))
     if gateway:
         gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
-                         models=[model], curve_keys=curve_keys)
+                         models=[model], curve_keys=curve_keys, nice=args.gateway_nice)
         children.append(Child("gateway", base + ["gateway", *to_cli_args(gw, skip=("curve_client",))],
                               role="gateway"))
     return children

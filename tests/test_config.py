@@ -182,3 +182,16 @@ def test_starts_without_torch(module):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing {module} pulls in {out.stdout.strip()}"
+
+
+def test_up_passes_the_gateway_its_nice_value():
+    from common.config import GatewayArgs
+    from services.launcher import plan_children
+
+    up = build_parser().parse_args(["up", "--gateway-nice", "4", "--gateway-port", "8100"])
+    gw = plan_children(up, "/m", gateway=True)[-1]
+    assert gw.role == "gateway"
+    got = from_cli_args(GatewayArgs, build_parser().parse_args(gw.argv[3:]))
+    assert (got.nice, got.port) == (4, 8100)
+    assert from_cli_args(GatewayArgs, build_parser().parse_args(
+        plan_children(build_parser().parse_args(["up"]), "/m", gateway=True)[-1].argv[3:])).nice == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 import httpx
@@ -77,7 +78,7 @@ def env(tmp_path_factory):
         c.start()
         urls = {"main": start_gateway(c, "gateway", "--model", str(model)),
                 "strict": start_gateway(c, "gateway-strict", "--api-key", API_KEY, "--max-body-bytes", "4000",
-                                        "--request-timeout", "0.5"),
+                                        "--request-timeout", "0.5", "--nice", str(STRICT_NICE)),
                 "dead": start_gateway(c, "gateway-dead", "--timeout", "1",
                                       scheduler=f"tcp://127.0.0.1:{free_port_block(1)}")}
         c.wait_ready(timeout=180)
@@ -86,6 +87,31 @@ def env(tmp_path_factory):
         yield c, urls, model
     finally:
         c.stop()
+
+
+STRICT_NICE = 3  # a nice value above 0 needs no privilege
+
+
+def test_gateway_runs_at_the_nice_value_it_was_given(env):
+    pids = env[0].pids()
+    assert os.getpriority(os.PRIO_PROCESS, pids["gateway-strict"]) == STRICT_NICE
+    assert os.getpriority(os.PRIO_PROCESS, pids["gateway"]) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_nice_values_are_checked_and_a_refusal_says_what_to_do(monkeypatch):
+    from common.priority import set_nice
+
+    for bad in (-21, 20, True, 1.5):
+        with pytest.raises(ValueError, match=r"--nice must be an integer in \[-20, 19\]"):
+            set_nice(bad, "zeroserve gateway")
+
+    def refuse(*_):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    with pytest.raises(ValueError, match="needs root or CAP_SYS_NICE"):
+        set_nice(-5, "zeroserve gateway")
+    set_nice(os.getpriority(os.PRIO_PROCESS, 0), "zeroserve gateway")  # already so: nothing to set
 
 
 def sdk(url: str, **kw) -> openai.OpenAI:

@@ -9,6 +9,7 @@ import sys
 
 from common.config import GatewayArgs, from_cli_args
 from common.log import get_logger, setup_logging
+from common.priority import set_nice
 
 log = get_logger("gateway")
 
@@ -22,11 +23,17 @@ def main(args) -> int:
 def serve(cfg: GatewayArgs) -> int:
     import uvicorn
 
+    try:
+        set_nice(cfg.nice, "zeroserve gateway")
+    except ValueError as e:
+        print(e, file=sys.stderr, flush=True)
+        return 1
+
     from services.gateway.app import create_app
 
     app = create_app(cfg)
     log.info("gateway starting", url=f"http://{cfg.host}:{cfg.port}", scheduler=cfg.scheduler,
-             api_key=bool(cfg.api_key), tokenizer=cfg.models or None)
+             api_key=bool(cfg.api_key), tokenizer=cfg.models or None, nice=cfg.nice)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
     server = uvicorn.Server(config)
