@@ -54,6 +54,14 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     content: str = ""
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    # tool turns: an assistant message's calls (OpenAI's shape; arguments as JSON text or an
+    # object) and a "tool" message's answer to one of them
+    tool_calls: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None
+    tool_call_id: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_calls is not None:
+            self.tool_calls = json_like(self.tool_calls)
 
 
 MAX_PING_IDS = 256
@@ -76,6 +84,8 @@ class Submit(Message):
     # the sampling fields the caller left unset: the model's generation config fills them where
     # it sets them (a client fills this from what its caller gave; empty: params as they are)
     model_defaults: Annotated[list[ModelDefaultField], msgspec.Meta(max_length=16)] = []
+    # chat only: OpenAI function definitions the chat template shows the model
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None
 
     def check(self) -> str | None:
         if self.messages is not None:
@@ -85,6 +95,10 @@ class Submit(Message):
                 return "messages is empty; send at least one chat message"
         elif self.prompt is None and self.prompt_token_ids is None:
             return "give a prompt or prompt_token_ids (or chat messages)"
+        if self.tools is not None:
+            if self.messages is None:
+                return "tools go with chat messages"
+            self.tools = json_like(self.tools)
         return None
 
 
@@ -335,6 +349,16 @@ class Step(Message):
     new_reqs: list[NewRequest] = msgspec.field(default_factory=list)
     cached: CachedRequests = msgspec.field(default_factory=CachedRequests)
     finished_req_ids: list[Name] = msgspec.field(default_factory=list)  # the worker drops their state
+    # structured outputs: the next-token bitmask of each constrained request that samples in this
+    # step (row i for bitmask_req_ids[i]; bit t of word t // 32 set = token t allowed)
+    bitmask_req_ids: list[Name] = msgspec.field(default_factory=list)
+    token_bitmask: I32_2D | None = None
+
+    def check(self) -> str | None:
+        rows = 0 if self.token_bitmask is None else self.token_bitmask.shape[0]
+        if rows != len(self.bitmask_req_ids):
+            return f"token_bitmask has {rows} rows for {len(self.bitmask_req_ids)} bitmask_req_ids"
+        return None
 
     def req_ids(self) -> list[str]:
         """The order of requests in the flat batch (and in the StepResult): cached, then new."""

@@ -7,6 +7,7 @@ msgspec's types on decode plus `validate()` for ranges, wherever it is built or 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -15,6 +16,76 @@ from common.errors import InvalidRequest, ModelLoadError
 
 _GREEDY_EPS = 1e-5
 INT32_MAX = 2**31 - 1  # token counts, ids and top_k travel as int32 further down the line
+# a constraint's text (schema JSON, regex, grammar, the choices together) is refused above this:
+# grammar compilation and its cache grow with it, and a real schema is a few KiB
+MAX_CONSTRAINT_BYTES = 256 << 10
+MAX_CHOICES = 1024
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One output constraint, vLLM's `StructuredOutputsParams` (name and shape): exactly one of
+    `json` (a JSON Schema, as an object or its JSON text), `regex`, `choice` (one of these
+    strings), `grammar` (EBNF / GBNF, as llama.cpp and vLLM take it) or `json_object` (any JSON
+    object). Only the form is checked here; whether the schema, regex or grammar compiles is
+    checked where the grammar library runs (the scheduler), an InvalidRequest naming the error."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in
+                    (None, False))
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequest:
+            return InvalidRequest(f"structured_outputs: {msg}")
+
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad(f"json_object must be true or false, got {self.json_object!r:.100}")
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise bad("give exactly one of json, regex, choice, grammar, json_object"
+                      + (f" (got {', '.join(given)})" if given else ""))
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise bad(f"json is not valid JSON text: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise bad(f"json must be a JSON Schema (an object), got {type(schema).__name__}")
+            size = len(self.json) if isinstance(self.json, str) else len(json.dumps(schema, default=str))
+        elif self.choice is not None:
+            if (not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise bad(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings, got {self.choice!r:.200}")
+            size = sum(len(c) for c in self.choice)
+        elif self.json_object:
+            size = 0
+        else:
+            text = self.regex if self.regex is not None else self.grammar
+            if not isinstance(text, str) or not text.strip():
+                raise bad(f"{given[0]} must be a non-empty string, got {text!r:.100}")
+            size = len(text)
+        if size > MAX_CONSTRAINT_BYTES:
+            raise bad(f"the {given[0]} constraint is {size} characters; the limit is {MAX_CONSTRAINT_BYTES}")
+
+    def schema_text(self) -> str | None:
+        """The JSON schema as JSON text (json only): the grammar cache's key."""
+        if self.json is None:
+            return None
+        return self.json if isinstance(self.json, str) else json.dumps(self.json)  # key order: generation order
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -36,12 +107,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     logprobs: int | None = None  # top-N logprobs per token, plus the chosen token
     skip_special_tokens: bool = True
     model: str | None = None  # which served model; None = the only/default one
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (vLLM's name)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):  # keyword arguments, SamplingParams.from_dict
+            so = self.structured_outputs
+            unknown = sorted(str(k) for k in so if k not in StructuredOutputsParams.__struct_fields__)
+            if unknown:
+                raise InvalidRequest(f"structured_outputs: unknown field(s) {unknown}; known fields are "
+                                     f"{list(StructuredOutputsParams.__struct_fields__)}")
+            self.structured_outputs = StructuredOutputsParams(**so)
         self.validate()
 
     @property
@@ -104,10 +183,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                 raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.model is not None and not (isinstance(self.model, str) and len(self.model) <= 256):
             raise bad(f"model must be a string of at most 256 characters, got {self.model!r:.100}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs must be a StructuredOutputsParams or a dict of its fields, got "
+                      f"{type(self.structured_outputs).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (lists copied), for JSON and for building a modified copy."""
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in msgspec.structs.asdict(self).items()}
+        d = {k: (list(v) if isinstance(v, list) else v) for k, v in msgspec.structs.asdict(self).items()}
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = msgspec.to_builtins(self.structured_outputs)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> SamplingParams:

@@ -28,6 +28,7 @@ from services.scheduler.admission import (
 )
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import Scheduler, TokenEvent
+from services.scheduler.structured import GrammarCompiler
 from services.tiny_model import default_model_dir
 from services.worker.model_runner import ModelRunner
 
@@ -60,8 +61,9 @@ class LLMEngine:
         self.runner = ModelRunner(args, self.model_cfg)
         self.block_manager = BlockManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   max_len, self.model_cfg.eos_token_ids)
+                                   max_len, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size)
         self.rng = random.Random(args.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}
         self._next_id = 0
 
@@ -89,12 +91,14 @@ class LLMEngine:
             ids = self.tokenizer.encode(text) if text is not None else arr.tolist()
         check_prompt_ids(ids, self.model_cfg.vocab_size, self.max_model_len)
         check_params_for_model(params, self.model_cfg.vocab_size)
+        so = params.structured_outputs
+        grammar = self.grammars.compile(so) if so is not None else None
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
         if request_id in self.tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        for r in fan_out(request_id, ids, params, self.rng, self.max_model_len):
+        for r in fan_out(request_id, ids, params, self.rng, self.max_model_len, grammar):
             self.scheduler.add_request(r)
         out = RequestOutput(request_id, text, list(ids),
                             [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)

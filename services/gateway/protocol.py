@@ -4,14 +4,45 @@ wrong field becomes a 400 whose message names it."""
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
-from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
+from common.log import LogBudget, get_logger
+from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
+log = get_logger("gateway")
+_IGNORED_LOG = LogBudget("request fields ignored")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, json_schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidRequest("response_format: type json_schema needs json_schema.schema (a JSON Schema)")
+        return {"json": self.json_schema.schema_}
 
 
 class StreamOptions(BaseModel):
@@ -22,10 +53,10 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields completions and chat share. Unknown fields are ignored (as vLLM does), so SDKs
-    that send newer fields still work."""
+    """Fields completions and chat share. Unknown fields are ignored with a logged warning (as
+    vLLM does), so SDKs that send newer fields still work."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float | None = None
@@ -50,6 +81,47 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM)
+    # constrained decoding: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (one of them per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field gave it."""
+        given = {}
+        if self.response_format is not None:
+            c = self.response_format.constraint()
+            if c is not None:
+                given["response_format"] = c
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for name in ("json", "regex", "choice", "grammar"):
+            v = getattr(self, "guided_" + name)
+            if v is not None:
+                given["guided_" + name] = {name: v}
+        if len(given) > 1:
+            raise InvalidRequest(f"give one output constraint, not {' and '.join(given)}")
+        if not given:
+            return None
+        (field, spec), = given.items()
+        unknown = sorted(set(spec) - set(StructuredOutputsParams.__struct_fields__))
+        if unknown:
+            raise InvalidRequest(f"{field}: unknown field(s) {unknown}; known: "
+                                 f"{list(StructuredOutputsParams.__struct_fields__)}")
+        try:
+            return StructuredOutputsParams(**spec)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{field}: {str(e).removeprefix('structured_outputs: ')}") from None
+
+    def warn_ignored(self) -> None:
+        """Fields this server does not know are accepted and ignored, with a warning (vLLM's rule)."""
+        extra = self.model_extra
+        if extra and _IGNORED_LOG.allow(time.monotonic()):
+            log.warning("request fields ignored: this server does not know them", fields=sorted(extra)[:32])
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -61,7 +133,9 @@ class _Sampling(BaseModel):
         kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
                               "ignore_eos": self.ignore_eos, "seed": self.seed, "logprobs": logprobs,
                               "include_stop_str_in_output": self.include_stop_str_in_output,
-                              "skip_special_tokens": self.skip_special_tokens, "model": self.model or None}
+                              "skip_special_tokens": self.skip_special_tokens, "model": self.model or None,
+                              "structured_outputs": self.constraint()}
+        self.warn_ignored()
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(self, name)

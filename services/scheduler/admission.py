@@ -14,6 +14,7 @@ import numpy as np
 from common.errors import InvalidRequest
 from common.sampling_params import INT32_MAX, SamplingParams
 from services.scheduler.request import Request
+from services.scheduler.structured import Constraint
 
 EMPTY_PROMPT = "the prompt is empty; send some text or token ids"
 MAX_PROMPT_TEXT_BYTES = 8 << 20  # a text prompt (or a conversation's contents) is refused above this, untokenized
@@ -117,12 +118,19 @@ def check_params_for_model(params: SamplingParams, vocab_size: int) -> None:
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
 
 
-def fan_out(key: str, ids: list[int], params: SamplingParams, rng: random.Random, max_model_len: int) -> list[Request]:
+def fan_out(key: str, ids: list[int], params: SamplingParams, rng: random.Random, max_model_len: int,
+            grammar: object = None) -> list[Request]:
     """The n sequences of request `key` (ids `key#i`): one seed for the request (the user's, or
-    drawn), a derived one per sample, and prompt blocks shared among siblings."""
+    drawn), a derived one per sample, and prompt blocks shared among siblings. `grammar`: the
+    compiled structured-outputs constraint (each sequence gets its own matcher of it)."""
+    if (grammar is None) != (params.structured_outputs is None):
+        raise ValueError("a constrained request needs its compiled grammar (and only it)")
     seed = params.seed if params.seed is not None else rng.getrandbits(63)
     reqs = [Request(f"{key}#{i}", ids, params, child_seed(seed, i), max_model_len, client_id=key, index=i)
             for i in range(params.n)]
+    if grammar is not None:
+        for r in reqs:
+            r.constraint = Constraint(grammar)
     if params.n > 1:
         for r in reqs:
             r.siblings = reqs

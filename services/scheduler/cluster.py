@@ -122,17 +122,22 @@ class Cluster:
         self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
                               deadline=now + m.timeout_s if m.timeout_s else None)
         self.by_client[(ident, m.request_id)] = key
-        if m.prompt_token_ids is not None:
+        so = params.structured_outputs  # its grammar compiles in the shell's pool, with the prompt
+        if m.prompt_token_ids is not None and so is None:
             return self.on_tokenized(key, m.prompt_token_ids.tolist(), None, now)
         ob = Outbox()
-        if m.messages is not None:
-            ob.tokenize_prompt(key, model, None, [msgspec.structs.asdict(x) for x in m.messages])
+        if m.prompt_token_ids is not None:
+            ob.tokenize_prompt(key, model, None, ids=m.prompt_token_ids.tolist(), constraint=so)
+        elif m.messages is not None:
+            ob.tokenize_prompt(key, model, None, [msgspec.structs.asdict(x) for x in m.messages], constraint=so)
         else:
-            ob.tokenize_prompt(key, model, m.prompt)
+            ob.tokenize_prompt(key, model, m.prompt, constraint=so)
         return ob
 
-    def on_tokenized(self, key: str, ids: list[int] | None, err: Exception | None, now: float) -> Outbox:
-        """A prompt's token ids (or the tokenizer's error) for request `key`."""
+    def on_tokenized(self, key: str, ids: list[int] | None, err: Exception | None, now: float,
+                     grammar: object = None) -> Outbox:
+        """A prompt's token ids (or the tokenizer's or grammar compiler's error) for request `key`;
+        `grammar`: its compiled structured-outputs constraint."""
         ob = Outbox()
         live = self.live.get(key)
         if live is None:
@@ -142,7 +147,7 @@ class Cluster:
                 raise err
             if err is not None:
                 raise InvalidRequest(f"the prompt could not be tokenized: {err}")
-            self._admit(live, ids)
+            self._admit(live, ids, grammar)
         except ZeroserveError as e:
             self._fail(live, e, ob)
         return ob
@@ -184,13 +189,13 @@ class Cluster:
         return ob
 
     # ================================================================ requests
-    def _admit(self, live: Live, ids: list[int]) -> None:
+    def _admit(self, live: Live, ids: list[int], grammar: object = None) -> None:
         vocab = self.models[live.model].cfg.vocab_size
         max_len = self.groups.max_model_len(live.model)
         check_prompt_ids(ids, vocab, max_len)
         check_params_for_model(live.params, vocab)
         live.prompt_ids = ids
-        live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len)]
+        live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len, grammar)]
         self.delivery.add(live)
         self.metrics.admitted(live)
         self._route(live)

@@ -46,6 +46,19 @@ class BadStepResult(InvalidRequest):
     """A StepResult that does not answer the step it claims to (its group is given up)."""
 
 
+def grammar_violation(step: P.Step, m: P.StepResult) -> str | None:
+    """A constrained request's sampled token whose bit is clear in the step's bitmask (the worker
+    ignored its grammar), before any state takes the token."""
+    if step.token_bitmask is None:
+        return None
+    pos = {rid: k for k, rid in enumerate(m.req_ids)}
+    for row, rid in enumerate(step.bitmask_req_ids):
+        t = int(m.sampled_token_ids[pos[rid]]) if rid in pos else -1
+        if t >= 0 and not (int(step.token_bitmask[row, t >> 5]) >> (t & 31)) & 1:
+            return f"samples token {t} for request {rid!r}, which its grammar does not allow"
+    return None
+
+
 class GroupState(enum.Enum):
     JOINING = "joining"  # waiting for all TP shards to say HELLO
     PROBING = "probing"  # every shard connected; waiting for each SUB to see the topic
@@ -267,7 +280,7 @@ class Groups:
         if self.cfg.max_model_len:
             max_len = min(max_len, self.cfg.max_model_len)
         g.policy = Policy(BlockManager(blocks, bs, self.cfg.enable_prefix_caching), self.cfg.max_num_seqs,
-                          self.cfg.max_num_batched_tokens, max_len, mc.eos_token_ids)
+                          self.cfg.max_num_batched_tokens, max_len, mc.eos_token_ids, mc.vocab_size)
         g.state = GroupState.READY
         g.seq = 0
         log.info("group ready", group=g.name, model=g.model, tp=g.tp_size, kv_blocks=blocks)
@@ -323,7 +336,7 @@ class Groups:
             if d is not None and d != (t >= 0):
                 return (f"has {'no sample' if d else f'a sample ({t})'} for request {rid!r}, which "
                         f"{'was due one' if d else 'was not due one'}")
-        return None
+        return grammar_violation(step, m)
 
     def gone(self, g: Group, reason: str, ob: Outbox) -> list[Request]:
         """A group died or left; returns its unfinished requests, which keep their tokens."""

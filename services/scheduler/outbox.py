@@ -30,6 +30,8 @@ class TokenizeJob(NamedTuple):
     model: str
     text: str | None
     messages: list[dict[str, str]] | None = None
+    ids: list[int] | None = None  # already tokenized: the job only compiles the constraint
+    constraint: object = None  # StructuredOutputsParams: compiled in the same job
 
 
 class Outbox:
@@ -54,8 +56,9 @@ class Outbox:
         self.items.append(Item(EVENTS, topic, msg))
 
     def tokenize_prompt(self, key: str, model: str, text: str | None,
-                        messages: list[dict[str, str]] | None = None) -> None:
-        self.tokenize.append(TokenizeJob(key, model, text, messages))
+                        messages: list[dict[str, str]] | None = None, ids: list[int] | None = None,
+                        constraint: object = None) -> None:
+        self.tokenize.append(TokenizeJob(key, model, text, messages, ids, constraint))
 
     def extend(self, other: Outbox) -> Outbox:
         self.items.extend(other.items)

@@ -23,6 +23,11 @@ import numpy as np
 from common.messages import CachedRequests, NewRequest, Step, StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, Status
+from services.scheduler.structured import new_bitmask
+
+
+class GrammarViolation(InvalidRequest):
+    """A worker returned a token the request's grammar does not allow (it ignored the bitmask)."""
 
 
 @dataclass
@@ -38,27 +43,44 @@ class TokenEvent:
 class _StepBuilder:
     """Collects one step's requests; `build()` makes the Step message (columnar for the running ones)."""
 
-    def __init__(self, finished_req_ids: list[str]) -> None:
+    def __init__(self, finished_req_ids: list[str], vocab_size: int) -> None:
         self.new: list[NewRequest] = []
         self.cached: list[tuple[str, int, int, list[int]]] = []  # req_id, computed, scheduled, new blocks
         self.finished = finished_req_ids
+        self.vocab_size = vocab_size
+        self.constrained: list[Request] = []  # sample in this step under a grammar
+
+    def scheduled(self, req: Request) -> None:
+        """After a request's tokens are committed: it samples in this step when it is now fully
+        computed; a constrained one then needs its bitmask in the step."""
+        if req.constraint is not None and req.num_computed_tokens == req.num_tokens:
+            self.constrained.append(req)
 
     def drop(self, req_id: str) -> None:
         """A request preempted in this very step leaves it (the worker may still hold it: finished)."""
         self.cached = [c for c in self.cached if c[0] != req_id]
         self.new = [n for n in self.new if n.req_id != req_id]
+        self.constrained = [r for r in self.constrained if r.req_id != req_id]
         self.finished.append(req_id)
 
     def build(self) -> Step:
         c = self.cached
         cached = CachedRequests.build([x[0] for x in c], [x[1] for x in c], [x[2] for x in c], [x[3] for x in c])
-        return Step(seq=0, new_reqs=self.new, cached=cached, finished_req_ids=self.finished)
+        step = Step(seq=0, new_reqs=self.new, cached=cached, finished_req_ids=self.finished)
+        if self.constrained:
+            mask = new_bitmask(len(self.constrained), self.vocab_size)
+            for i, req in enumerate(self.constrained):
+                req.constraint.fill(mask, i)
+            step.bitmask_req_ids = [r.req_id for r in self.constrained]
+            step.token_bitmask = mask
+        return step
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: list[int]) -> None:
+                 max_model_len: int, eos_token_ids: list[int], vocab_size: int = 0) -> None:
         self.bm = block_manager
+        self.vocab_size = vocab_size  # the width of constrained requests' bitmasks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # a sequence may never need more blocks than the whole cache holds
@@ -98,7 +120,7 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> Step:
         """The next step (seq 0, no group: the caller numbers and addresses it)."""
-        out = _StepBuilder(self._dropped)
+        out = _StepBuilder(self._dropped, self.vocab_size)
         self._dropped = []
         budget = self.max_num_batched_tokens
         preempted = False
@@ -122,6 +144,7 @@ class Scheduler:
             new_blocks = self.bm.allocate(req, num_new)
             out.cached.append((req.req_id, req.num_computed_tokens, num_new, new_blocks))
             self._commit(req, num_new)
+            out.scheduled(req)
             budget -= num_new
             i += 1
 
@@ -155,6 +178,7 @@ class Scheduler:
                     block_ids=np.asarray(req.block_ids, np.int32), num_computed_tokens=req.num_computed_tokens,
                     num_scheduled_tokens=num_new))
                 self._commit(req, num_new)
+                out.scheduled(req)
                 budget -= num_new
         return out.build()
 
@@ -203,6 +227,8 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != Status.RUNNING:
                 continue  # finished or preempted meanwhile: the token is discarded
+            if req.constraint is not None and not req.constraint.accept(tok):
+                raise GrammarViolation(f"token {tok} for request {rid!r} is outside its grammar's bitmask")
             req.token_ids.append(tok)
             finished = self._check_stop(req, tok)
             events.append(TokenEvent(req, tok, logprobs[k] if logprobs is not None else None, finished))
@@ -213,6 +239,9 @@ class Scheduler:
     def _check_stop(self, req: Request, tok: int) -> bool:
         p = req.params
         n_out = req.num_output_tokens
+        if req.constraint is not None and req.constraint.terminated:  # the grammar ended (on EOS)
+            req.finish_reason, req.stop_reason = "stop", None
+            return True
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in self.eos_token_ids:
                 req.finish_reason, req.stop_reason = "stop", None

@@ -25,7 +25,7 @@ class Request:
         "req_id", "client_id", "index", "params", "seed", "priority", "arrival_time",
         "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "status", "finish_reason", "stop_reason", "max_len",
-        "siblings",
+        "siblings", "constraint",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -51,6 +51,9 @@ class Request:
         limit = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_len = min(max_model_len, self.num_prompt_tokens + limit)
         self.siblings: list["Request"] | None = None  # the n sequences of one client request
+        # structured outputs: its grammar matcher (services/scheduler/structured.py), which has
+        # taken every output token; it travels with the request through preemption and failover
+        self.constraint = None
 
     @property
     def num_tokens(self) -> int:

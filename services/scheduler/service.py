@@ -31,6 +31,7 @@ from common.memory import Trimmer, freeze_startup_heap
 from common.transport import Channel, is_loopback, make_socket
 from services.scheduler.cluster import Cluster, ModelInfo
 from services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
+from services.scheduler.structured import GrammarCompiler
 
 log = get_logger("scheduler")
 
@@ -116,6 +117,8 @@ class SchedulerService:
         self.tokenizers = {name: self.pool.submit(self._load_tokenizer, name, info.cfg.model_dir)
                            for name, info in models.items()}
         self.tok_results: queue.SimpleQueue = queue.SimpleQueue()
+        self.grammar_compilers: dict[str, GrammarCompiler] = {}  # per model, made on first use
+        self.grammar_lock = threading.Lock()
         wake_addr = f"inproc://sched-wake-{self.id}"
         self.wake_rx = self.ctx.socket(zmq.PAIR)
         self.wake_rx.bind(wake_addr)
@@ -223,10 +226,10 @@ class SchedulerService:
     def _on_tokenized(self) -> None:
         while True:
             try:
-                key, ids, err = self.tok_results.get_nowait()
+                key, ids, err, grammar = self.tok_results.get_nowait()
             except queue.Empty:
                 return
-            self._send(self.cluster.on_tokenized(key, ids, err, time.monotonic()))
+            self._send(self.cluster.on_tokenized(key, ids, err, time.monotonic(), grammar))
 
     @staticmethod
     def _load_tokenizer(name: str, model_dir: str):
@@ -241,19 +244,37 @@ class SchedulerService:
         log.info("tokenizer loaded", model=name)
         return tok
 
-    def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None) -> None:
+    def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None,
+                  ids: list[int] | None = None, constraint=None) -> None:
         loading = self.tokenizers[model]
-        if messages is not None:  # the chat template, here for every client alike
-            fut = self.pool.submit(lambda: chat_prompt(loading.result(), messages, self.chat_template)[1])
-        else:
-            fut = self.pool.submit(lambda: loading.result().encode(text))
-        fut.add_done_callback(lambda f: self._tokenized(key, f))
+
+        def job():
+            if ids is not None:
+                out = ids
+            elif messages is not None:  # the chat template, here for every client alike
+                out = chat_prompt(loading.result(), messages, self.chat_template)[1]
+            else:
+                out = loading.result().encode(text)
+            # the grammar compiles here too, off the loop (xgrammar releases the GIL), cached
+            return out, (self._grammars(model).compile(constraint) if constraint is not None else None)
+
+        self.pool.submit(job).add_done_callback(lambda f: self._tokenized(key, f))
+
+    def _grammars(self, model: str) -> GrammarCompiler:
+        with self.grammar_lock:
+            gc = self.grammar_compilers.get(model)
+            if gc is None:
+                cfg = self.cluster.models[model].cfg
+                gc = self.grammar_compilers[model] = GrammarCompiler(self.tokenizers[model].result(), cfg.vocab_size,
+                                                                     cfg.eos_token_ids)
+            return gc
 
     def _tokenized(self, key: str, fut) -> None:  # runs in a pool thread
         try:
-            self.tok_results.put((key, fut.result(), None))
+            ids, grammar = fut.result()
+            self.tok_results.put((key, ids, None, grammar))
         except Exception as e:  # noqa: BLE001 - any tokenizer failure refuses the request, in words
-            self.tok_results.put((key, None, e))
+            self.tok_results.put((key, None, e, None))
         with self.wake_lock:
             self.wake_tx.send(b"", zmq.NOBLOCK)
 

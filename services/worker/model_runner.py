@@ -110,6 +110,14 @@ class ModelRunner:
         for rid in c.req_ids:
             if rid not in self.reqs or rid in dropped:
                 return f"step names request {rid!r}, which this worker does not hold"
+        if step.token_bitmask is not None:
+            width = (v + 31) // 32
+            if step.token_bitmask.shape[1] != width:
+                return f"token_bitmask rows have {step.token_bitmask.shape[1]} words; this vocabulary needs {width}"
+            in_step = set(step.req_ids())
+            missing = [r for r in step.bitmask_req_ids if r not in in_step]
+            if missing or len(set(step.bitmask_req_ids)) != len(step.bitmask_req_ids):
+                return f"token_bitmask names requests not in the step (or twice): {missing[:4]}"
         return None
 
     def apply_state(self, step: Step) -> None:
@@ -125,6 +133,16 @@ class ModelRunner:
                 raise ValueError(f"step names request {rid!r}, which this worker does not hold")
             st.block_ids.extend(blocks.tolist())
             st.num_computed = computed
+
+    def _grammar_rows(self, step: Step, sampled_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sample rows the step's bitmask rows belong to, and the bitmask, on the device."""
+        pos = {rid: k for k, rid in enumerate(sampled_ids)}
+        try:
+            rows = [pos[rid] for rid in step.bitmask_req_ids]
+        except KeyError as e:
+            raise ValueError(f"step has a bitmask for request {e.args[0]!r}, which samples no token in it") from None
+        return (torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.from_numpy(step.token_bitmask).to(self.device))
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -195,6 +213,8 @@ class ModelRunner:
                 eos_ids=self.eos_token_ids,
                 device=dev,
             )
+            if step.token_bitmask is not None:
+                st.bitmask_rows, st.bitmask = self._grammar_rows(step, [req_ids[i] for i in sample_rows.tolist()])
             res = sample(logits, st)
             toks = res.sampled.to("cpu", torch.int32).numpy()
             sampled_all[sample_rows] = toks

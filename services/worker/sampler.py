@@ -6,6 +6,9 @@ Pipeline for `sample(logits, t)`, all rows at once, no Python loop over rows or 
 2. penalties: repetition (prompt + output tokens: logit > 0 -> logit / p, else logit * p),
    frequency (`-= f * count_in_output`), presence (`-= p * (count_in_output > 0)`).
 3. banned (row, token) pairs -> -inf (min_tokens: eos + stop token ids).
+3b. structured outputs: tokens whose bit is clear in the row's grammar bitmask -> -inf. The
+   grammar outranks the bans: a row the bans would leave without any token (min_tokens banning
+   the EOS a finished grammar needs) keeps the grammar's tokens alone.
 4. greedy rows (temperature < 1e-5) take `argmax` (ties -> lowest index).
 5. random rows: `/ temperature` -> min_p (drop prob < min_p * max_prob) -> top_k -> top_p
    (smallest set of mass >= top_p, top token always kept) -> exponential race.
@@ -130,6 +133,8 @@ class SamplingTensors:
     banned_tokens: Tensor | None  # [K] int64
     num_logprobs: int | None  # max top-N asked by any row; None or < 0 => no logprobs at all
     all_greedy: bool
+    bitmask_rows: Tensor | None = None  # [K] int64: the rows under a grammar
+    bitmask: Tensor | None = None  # [K, ceil(V/32)] int32: bit t of word t // 32 = token t allowed
 
     @classmethod
     def from_requests(
@@ -276,6 +281,26 @@ def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
     return torch.empty_like(logits).scatter_(1, idx, srt)
 
 
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """[K, W] int32 words -> [K, vocab_size] bool (token t allowed: bit t % 32 of word t // 32)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _apply_grammar(x: Tensor, unbanned: Tensor, t: SamplingTensors) -> Tensor:
+    """Mask the grammar rows of x (a fresh tensor; `unbanned` is x before the bans)."""
+    allowed = unpack_bitmask(t.bitmask, x.shape[1])
+    rows = t.bitmask_rows
+    sub = x.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    dead = torch.isneginf(sub.amax(dim=-1))
+    if bool(dead.any()):
+        sub[dead] = unbanned.index_select(0, rows)[dead].masked_fill(~allowed[dead], float("-inf"))
+    x = x.clone()
+    x.index_copy_(0, rows, sub)
+    return x
+
+
 def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] under the per-row parameters in `t`."""
     if logits.dtype != torch.float32:
@@ -285,9 +310,12 @@ def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
     raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
 
     x = apply_penalties(logits, t)
+    unbanned = x
     if t.banned_rows is not None and t.banned_rows.numel():
-        x = x.clone() if x is logits else x
+        x = x.clone()
         x.index_put_((t.banned_rows, t.banned_tokens), torch.tensor(float("-inf"), device=x.device))
+    if t.bitmask is not None and t.bitmask_rows.numel():
+        x = _apply_grammar(x, unbanned, t)
 
     greedy_tok = torch.argmax(x, dim=-1)
     if t.all_greedy:
