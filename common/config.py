@@ -307,6 +307,9 @@ class ChatArgs:
 
     chat_template: str | None = knob(None, "a Jinja chat template file to use instead of the model's own",
                                      metavar="FILE")
+    tool_call_parser: str = knob("auto", "how a model writes tool calls, parsed for tool_choice auto: auto = "
+                                         "recognised from its chat template, or hermes, llama3_json, mistral, json",
+                                 metavar="NAME")
 
 
 @dataclass(kw_only=True)

@@ -148,6 +148,9 @@ class ModelCard(Message):
     id: Name
     max_model_len: Count = 0
     groups: Count = 0  # worker groups ready to serve it
+    # the format its tool calls are parsed in (tool_choice auto), from --tool-call-parser or its
+    # chat template; "" while its tokenizer loads, or when nothing is recognised
+    tool_call_parser: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class ModelsReply(Message):

@@ -37,6 +37,11 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per generated token
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # chat with tools: the calls parsed from `text` (OpenAI's shape: {"id", "type": "function",
+    # "function": {"name", "arguments" (JSON text)}}) and the text outside them (None: only calls);
+    # both None when the request had no tools
+    tool_calls: list[dict] | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

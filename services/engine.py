@@ -79,13 +79,15 @@ class LLMEngine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """`prompt`: text, token ids, {"prompt_token_ids": ...}, {"prompt": ...} or a conversation
-        {"messages": [...], "chat_template": optional template text}."""
+        {"messages": [...], "chat_template": optional template text, "tools": optional function
+        definitions for the template}."""
         if params is None:
             params = self.default_sampling_params()
         elif not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, dict) and "messages" in prompt:
-            text, ids = chat_prompt(self.tokenizer, check_messages(prompt["messages"]), prompt.get("chat_template"))
+            text, ids = chat_prompt(self.tokenizer, check_messages(prompt["messages"]), prompt.get("chat_template"),
+                                    prompt.get("tools"))
         else:
             text, arr = split_prompt(prompt, self.model_cfg.vocab_size)
             ids = self.tokenizer.encode(text) if text is not None else arr.tolist()

@@ -441,7 +441,7 @@ class FakeClient:
         self.models_calls = 0
         self.models_delay = 0.05
 
-    def stream(self, prompt, params, request_id=None, request_timeout_s=None, model_defaults=None):
+    def stream(self, prompt, params, request_id=None, request_timeout_s=None, model_defaults=None, **tools):
         s = FakeStream(self.scripts.pop(0) if self.scripts else [])
         self.streams.append(s)
         return s

@@ -20,8 +20,9 @@ import pytest
 
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
-from tests.test_gateway import CHAT_TEMPLATE, sdk, start_gateway, wait_http
+from tests.test_gateway import sdk, start_gateway, wait_http
 from tests.test_structured_outputs import CHOICES, GRAMMAR, PERSON, REGEX, _grammar_ok
+from tests.test_tools import ASK, TOOL_TEMPLATE, TOOLS, check_call
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes", "torch_single_thread")
 
@@ -32,7 +33,7 @@ SEEDS = range(4)
 def env(tmp_path_factory):
     model = cached_model_dir("llama")
     tmpl = tmp_path_factory.mktemp("so") / "chat.jinja"
-    tmpl.write_text(CHAT_TEMPLATE)
+    tmpl.write_text(TOOL_TEMPLATE)  # a Hermes-style template: tool_choice auto parses <tool_call> blocks
     c = LocalCluster(model, workers=2, num_kv_blocks=256, scheduler_args=["--chat-template", str(tmpl)])
     try:
         c.start()
@@ -164,3 +165,93 @@ def test_a_failover_mid_answer_keeps_every_output_valid(env):
         jsonschema.validate(json.loads(t), PERSON)
     states = {g["name"]: g["state"] for g in c.stats()["groups"]}
     assert states.get("g0") != "ready", states  # the group did die under the requests
+
+
+# ---------------------------------------------------------------------------- tool calls
+
+def _tools_chat(oai, seed: int, stream: bool = False, **kw):
+    return oai.chat.completions.create(model=oai.models.list().data[0].id, seed=seed, temperature=1.0,
+                                       max_tokens=600, stream=stream, messages=ASK, tools=TOOLS, **kw)
+
+
+def _joined_stream(chunks) -> tuple[str, dict[int, dict], str | None]:
+    """(content, {index: {"id", "name", "arguments"}}, finish_reason) of a streamed chat answer."""
+    content, calls, finish = "", {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        content += c.delta.content or ""
+        for tc in c.delta.tool_calls or []:
+            cur = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            if tc.id:
+                assert cur["id"] is None, "a call's id comes once, with its name"
+                cur["id"], cur["name"] = tc.id, tc.function.name
+            cur["arguments"] += tc.function.arguments or ""
+        finish = c.finish_reason or finish
+    return content, calls, finish
+
+
+def test_required_and_named_tool_calls_through_the_sdk_always_validate(env):
+    _, oai = env
+    named = {"type": "function", "function": {"name": "search"}}
+    for seed in SEEDS:
+        for choice in ("required", named):
+            r = _tools_chat(oai, seed, tool_choice=choice)
+            msg = r.choices[0].message
+            assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls and msg.content is None
+            for tc in msg.tool_calls:
+                check_call(tc.model_dump())
+            if choice is named:
+                assert [tc.function.name for tc in msg.tool_calls] == ["search"]
+
+
+def test_streamed_tool_calls_join_to_the_whole_answer(env):
+    _, oai = env
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        whole = _tools_chat(oai, 1, tool_choice=choice).choices[0].message.tool_calls
+        content, calls, finish = _joined_stream(_tools_chat(oai, 1, True, tool_choice=choice))
+        assert finish == "tool_calls" and content == ""
+        assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
+            [(tc.function.name, tc.function.arguments) for tc in whole]
+        assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_tool_requests_that_cannot_be_served_are_400s(env):
+    _, oai = env
+    for kw, msg in [({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+                    ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+                     "constrains the output itself")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(msg)):
+            _tools_chat(oai, 0, **kw)
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        oai.chat.completions.create(model=oai.models.list().data[0].id, max_tokens=4, tool_choice="required",
+                                    messages=[{"role": "user", "content": "x"}])
+
+
+# the model (random weights) is made to write a Hermes call by a regex, so "auto" has one to parse
+HERMES_CALL = r'Let me check\.<tool_call>\{"name": "search", "arguments": \{"query": "[a-z]{1,8}"\}\}</tool_call>'
+
+
+def test_auto_parses_the_calls_the_model_wrote_whole_and_streamed(env):
+    c, oai = env
+    extra = {"structured_outputs": {"regex": HERMES_CALL}}
+    r = _tools_chat(oai, 2, extra_body=extra)  # tool_choice defaults to auto with tools
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Let me check."
+    assert [tc.function.name for tc in msg.tool_calls] == ["search"]
+    check_call(msg.tool_calls[0].model_dump())
+    content, calls, finish = _joined_stream(_tools_chat(oai, 2, True, extra_body=extra))
+    assert (content, finish) == ("Let me check.", "tool_calls")
+    assert [(x["name"], x["arguments"]) for x in calls.values()] == [("search", msg.tool_calls[0].function.arguments)]
+    # plain text under auto stays content
+    r = _tools_chat(oai, 3, extra_body={"structured_outputs": {"regex": "[a-z]{3,9}"}})
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    # the ZeroMQ client parses the same way (the scheduler told it the format)
+    from zeroserve import SamplingParams
+
+    with c.client(timeout_s=30.0) as client:
+        out = client.chat(ASK, SamplingParams(temperature=1.0, seed=2, max_tokens=100, structured_outputs={
+            "regex": HERMES_CALL}), tools=TOOLS).outputs[0]
+    assert out.content == "Let me check." and out.tool_calls[0]["function"] == msg.tool_calls[0].function.model_dump()

@@ -91,10 +91,11 @@ def _model_defaults(params: Any, model_defaults: Any) -> list[str]:
 class Conversation:
     """The prompt form of a chat request: the scheduler applies the model's chat template."""
 
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "tools")
 
-    def __init__(self, messages: Any) -> None:
+    def __init__(self, messages: Any, tools: list[dict] | None = None) -> None:
         self.messages = [P.ChatMessage(**m) for m in check_messages(messages)]
+        self.tools = tools  # checked function definitions (common/tools.py) for the template
 
 
 def _check_timeout(name: str, v: Any, allow_none: bool = True) -> float | None:

@@ -67,6 +67,7 @@ from common.errors import (
 )
 from common.outputs import RequestOutput
 from common.sampling_params import SamplingParams
+from common.tools import attach_calls, check_tools, constrained_params
 from common.transport import make_socket, tcp_addr
 from services.scheduler.admission import split_prompt
 from zeroserve._request import (
@@ -242,6 +243,7 @@ class AsyncClient(LivenessMixin):
     def _submit(self, prompt: Any, params: Any, request_id: str | None, request_timeout_s: float | None,
                 streaming: bool, model_defaults: list[str]) -> _Req:
         msgs = prompt.messages if isinstance(prompt, Conversation) else None
+        tools = prompt.tools if isinstance(prompt, Conversation) else None
         if isinstance(prompt, _Checked):  # stream() checked both already
             (text, ids), sp = prompt.split, params
         else:
@@ -259,7 +261,8 @@ class AsyncClient(LivenessMixin):
             raise InvalidRequest(f"request id {request_id!r} is already running on this client; use a unique id "
                                  "or leave request_id unset")
         frames = encode(P.Submit(request_id=request_id, prompt=text, prompt_token_ids=ids, params=sp,
-                                 stream=streaming, timeout_s=timeout, messages=msgs, model_defaults=model_defaults))
+                                 stream=streaming, timeout_s=timeout, messages=msgs, model_defaults=model_defaults,
+                                 tools=tools))
         r = _Req(request_id, sp, streaming, loop.time(), text, ids, None if streaming else loop.create_future())
         r.nonce0, r.retries = self._nonce, self.retries
         if self.retries:
@@ -335,19 +338,41 @@ class AsyncClient(LivenessMixin):
         return AsyncStream(self, prompt, params, request_id, request_timeout_s, defaults)
 
     async def chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-                   *, request_timeout_s: float | None = None,
-                   model_defaults: bool | list[str] | None = None) -> RequestOutput:
+                   *, request_timeout_s: float | None = None, model_defaults: bool | list[str] | None = None,
+                   tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                   parallel_tool_calls: bool | None = None, tool_parser: str | None = None) -> RequestOutput:
         """``generate`` for a conversation ([{"role": "user", "content": "..."}, ...]): the cluster
-        applies the model's chat template with the generation prompt."""
-        return await self.generate(Conversation(messages), params, request_id, request_timeout_s=request_timeout_s,
-                                   model_defaults=model_defaults)
+        applies the model's chat template with the generation prompt.
+
+        ``tools`` (OpenAI function definitions) and ``tool_choice`` ("auto", "none", "required",
+        {"type": "function", "function": {"name": ...}}) as in OpenAI's API: each completion's
+        ``tool_calls`` and ``content`` hold what the model called. "required" and a named
+        function are enforced by a grammar; "auto" parses what the model wrote, in ``tool_parser``'s
+        format (default: the one the scheduler recognised in the chat template)."""
+        spec = check_tools(tools, tool_choice, parallel_tool_calls)
+        defaults = _model_defaults(params, model_defaults)  # of the caller's params, before the constraint
+        out = await self.generate(Conversation(messages, spec.tools if spec else None), constrained_params(params, spec),
+                                  request_id, request_timeout_s=request_timeout_s, model_defaults=defaults)
+        if spec is not None:
+            if tool_parser is None and spec.choice == "auto":
+                model = (params.get("model") if isinstance(params, dict) else getattr(params, "model", None))
+                cards = await self.models()
+                card = next((m for m in cards if m["id"] == model), cards[0] if cards else {})
+                tool_parser = card.get("tool_call_parser") or None
+            attach_calls(out.outputs, spec, tool_parser)
+        return out
 
     def stream_chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-                    *, request_timeout_s: float | None = None,
-                    model_defaults: bool | list[str] | None = None) -> AsyncStream:
-        """``stream`` for a conversation."""
-        return self.stream(Conversation(messages), params, request_id, request_timeout_s=request_timeout_s,
-                           model_defaults=model_defaults)
+                    *, request_timeout_s: float | None = None, model_defaults: bool | list[str] | None = None,
+                    tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                    parallel_tool_calls: bool | None = None) -> AsyncStream:
+        """``stream`` for a conversation. With ``tools``, the template shows them and "required"
+        or a named function constrains the output; the deltas are the model's raw text (the
+        gateway turns them into OpenAI's streamed tool_calls: common/tool_parsers.py)."""
+        spec = check_tools(tools, tool_choice, parallel_tool_calls)
+        defaults = _model_defaults(params, model_defaults)
+        return self.stream(Conversation(messages, spec.tools if spec else None), constrained_params(params, spec),
+                           request_id, request_timeout_s=request_timeout_s, model_defaults=defaults)
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request of this client: a waiting ``generate`` returns what it has so far,
@@ -404,7 +429,7 @@ class AsyncClient(LivenessMixin):
         return (await self._ask(P.StatsRequest(), P.StatsReply)).stats
 
     async def models(self) -> list[dict]:
-        """The served models: [{"id", "max_model_len", "groups"}, ...]."""
+        """The served models: [{"id", "max_model_len", "groups", "tool_call_parser"}, ...]."""
         return [msgspec.structs.asdict(m) for m in (await self._ask(P.ModelsRequest(), P.ModelsReply)).models]
 
     async def metrics(self) -> str:

@@ -8,6 +8,7 @@ from common.config import EngineArgs
 from common.errors import InvalidRequest
 from common.outputs import RequestOutput
 from common.sampling_params import SamplingParams
+from common.tools import attach_calls, check_tools, constrained_params
 from services.engine import LLMEngine
 
 
@@ -69,9 +70,30 @@ class LLM:
         return [results[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, chat_template: str | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = False, chat_template: str | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             tool_parser: str | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
-        them, through the model's chat template (or `chat_template`, the template's text)."""
+        them, through the model's chat template (or `chat_template`, the template's text).
+        ``tools`` / ``tool_choice`` as in OpenAI's API (see AsyncClient.chat); the calls are
+        parsed into each completion's ``tool_calls`` (``tool_parser``: the format for "auto",
+        by default recognised from the template)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([{"messages": c, "chat_template": chat_template} for c in convs], sampling_params,
-                             use_tqdm=use_tqdm)
+        spec = check_tools(tools, tool_choice, parallel_tool_calls)
+        if spec is not None:
+            if sampling_params is None:
+                sampling_params = self.get_default_sampling_params()
+            if isinstance(sampling_params, SamplingParams):
+                sampling_params = constrained_params(sampling_params, spec)
+            else:
+                sampling_params = [constrained_params(p, spec) for p in sampling_params]
+        outs = self.generate([{"messages": c, "chat_template": chat_template, "tools": spec.tools if spec else None}
+                              for c in convs], sampling_params, use_tqdm=use_tqdm)
+        if spec is not None:
+            if tool_parser is None and spec.choice == "auto":
+                from common.tool_parsers import parser_for_template
+
+                tool_parser = parser_for_template(chat_template or self.tokenizer.chat_template)
+            for o in outs:
+                attach_calls(o.outputs, spec, tool_parser)
+        return outs

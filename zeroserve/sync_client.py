@@ -120,11 +120,14 @@ class Client:
                                                 model_defaults=model_defaults))
 
     def chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
-             *, request_timeout_s: float | None = None,
-             model_defaults: bool | list[str] | None = None) -> RequestOutput:
-        """Run a conversation through the model's chat template -> RequestOutput."""
+             *, request_timeout_s: float | None = None, model_defaults: bool | list[str] | None = None,
+             tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None, tool_parser: str | None = None) -> RequestOutput:
+        """Run a conversation through the model's chat template -> RequestOutput; ``tools`` and
+        ``tool_choice`` as in AsyncClient.chat (the parsed calls in each completion's ``tool_calls``)."""
         return self._call(self._ac.chat(messages, params, request_id, request_timeout_s=request_timeout_s,
-                                        model_defaults=model_defaults))
+                                        model_defaults=model_defaults, tools=tools, tool_choice=tool_choice,
+                                        parallel_tool_calls=parallel_tool_calls, tool_parser=tool_parser))
 
     def stream_chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                     *, request_timeout_s: float | None = None,

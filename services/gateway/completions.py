@@ -33,7 +33,9 @@ from services.gateway.errors import (
     send_json,
     validation_error,
 )
+from common.tools import ToolStream
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.tools import assistant_message, tool_parser
 
 log = get_logger("gateway")
 
@@ -302,6 +304,9 @@ async def _chat(gw, req: ChatCompletionRequest):
     model = await gw.resolve_model(req.model)
     sp, unset = req.sampling_params(), req.model_defaults()
     sp.model = model
+    spec = req.tool_spec()
+    parser = await tool_parser(gw, model) if spec is not None and spec.choice == "auto" else None
+    tools = {"tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls}
     messages = [m.plain() for m in req.messages]
     want_lp = sp.logprobs is not None
     top = sp.logprobs or 0
@@ -310,16 +315,19 @@ async def _chat(gw, req: ChatCompletionRequest):
     timeout = gw.cfg.request_timeout_s
     c = gw.client
     if not req.stream:
-        out = await c.chat(messages, sp, rid, request_timeout_s=timeout, model_defaults=unset)
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+        out = await c.chat(messages, sp, rid, request_timeout_s=timeout, model_defaults=unset, tool_parser=parser,
+                           **tools)
+        choices = [{"index": o.index, "message": assistant_message(o),
                     "logprobs": _chat_logprobs(tok, o.logprobs or [], top) if want_lp else None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs]
+                    "finish_reason": "tool_calls" if o.tool_calls else o.finish_reason,
+                    "stop_reason": o.stop_reason} for o in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": _usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
                                 out.num_cached_tokens)}
 
-    streams = [c.stream_chat(messages, sp, rid, request_timeout_s=timeout, model_defaults=unset)]
+    streams = [c.stream_chat(messages, sp, rid, request_timeout_s=timeout, model_defaults=unset, **tools)]
     firsts = await _prefetch(streams)
+    shapers = [ToolStream(spec, parser) for _ in range(sp.n)]  # text -> content / tool_calls deltas
 
     def chunk(choices: list[dict], **extra) -> bytes:
         return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -335,11 +343,18 @@ async def _chat(gw, req: ChatCompletionRequest):
             async for _, d, more in _chain(firsts, streams):
                 tally.add(d)
                 if d.text or d.finish_reason is not None or d.token_ids:
-                    delta = {"content": d.text} if d.text else {}
+                    shaper = shapers[d.index]
+                    deltas = shaper.feed(d.text) + (shaper.finish() if d.finish_reason is not None else [])
                     lp = _chat_logprobs(tok, d.logprobs or [], top) if want_lp else None
-                    ch = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                    for delta in deltas[:-1]:  # all but the last piece: no logprobs, no finish
+                        out.append(chunk([{"index": d.index, "delta": delta, "logprobs": None,
+                                           "finish_reason": None}]))
+                    ch = {"index": d.index, "delta": deltas[-1] if deltas else {}, "logprobs": lp,
+                          "finish_reason": d.finish_reason}
                     if d.finish_reason is not None:
                         ch["stop_reason"] = d.stop_reason
+                        if shaper.calls:
+                            ch["finish_reason"] = "tool_calls"
                     out.append(chunk([ch], **({"usage": tally.usage()} if continuous else {})))
                 if out and not more and tally.running:
                     yield b"".join(out)

@@ -12,10 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.errors import InvalidRequest
 from common.log import LogBudget, get_logger
 from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
+from common.tools import ToolSpec, check_tools
 
 NonNegInt = Annotated[int, Field(ge=0)]
 log = get_logger("gateway")
 _IGNORED_LOG = LogBudget("request fields ignored")
+# unknown fields that would constrain the answer: a 400 rather than a silently free answer
+_REFUSED = {"functions": "send tools (OpenAI's successor of functions)",
+            "function_call": "send tool_choice (OpenAI's successor of function_call)",
+            "logits_processors": "this server runs no custom logits processors"}
 
 
 class JsonSchemaFormat(BaseModel):
@@ -118,8 +123,12 @@ class _Sampling(BaseModel):
             raise InvalidRequest(f"{field}: {str(e).removeprefix('structured_outputs: ')}") from None
 
     def warn_ignored(self) -> None:
-        """Fields this server does not know are accepted and ignored, with a warning (vLLM's rule)."""
+        """Fields this server does not know are accepted and ignored, with a warning (vLLM's rule),
+        except those whose loss would change the answer's kind: refused, naming the way."""
         extra = self.model_extra
+        for name, use in _REFUSED.items():
+            if extra and name in extra:
+                raise InvalidRequest(f"{name} is not supported: {use}")
         if extra and _IGNORED_LOG.allow(time.monotonic()):
             log.warning("request fields ignored: this server does not know them", fields=sorted(extra)[:32])
 
@@ -210,13 +219,16 @@ class ChatMessageIn(BaseModel):
     role: Annotated[str, Field(min_length=1, max_length=64)]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
 
-    def plain(self) -> dict[str, str]:
+    def plain(self) -> dict[str, Any]:
         c = self.content
         text = "" if c is None else c if isinstance(c, str) else "".join(part.text for part in c)
-        d = {"role": self.role, "content": text}
-        if self.name is not None:
-            d["name"] = self.name
+        d: dict[str, Any] = {"role": self.role, "content": text}
+        for k in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
         return d
 
 
@@ -226,11 +238,18 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def _limit_unset(self) -> bool:
         return self.max_completion_tokens is None and self.max_tokens is None
 
+    def tool_spec(self) -> ToolSpec | None:
+        return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def sampling_params(self) -> SamplingParams:
+        """Without the tools' constraint: the client adds it (AsyncClient.chat / stream_chat)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -57,6 +57,7 @@ class ModelInfo:
     cfg: ModelConfig
     tokenizer: object = None  # unused by the state: the shell tokenizes (service.py)
     sampling_defaults: dict = field(default_factory=dict)  # for the fields a Submit leaves unset
+    tool_call_parser: str = ""  # set by the shell once the tokenizer (and so the template) is known
 
 
 class Rate(NamedTuple):
@@ -128,8 +129,9 @@ class Cluster:
         ob = Outbox()
         if m.prompt_token_ids is not None:
             ob.tokenize_prompt(key, model, None, ids=m.prompt_token_ids.tolist(), constraint=so)
-        elif m.messages is not None:
-            ob.tokenize_prompt(key, model, None, [msgspec.structs.asdict(x) for x in m.messages], constraint=so)
+        elif m.messages is not None:  # fields a message leaves out stay out (templates test `is defined`)
+            conv = [{k: v for k, v in msgspec.structs.asdict(x).items() if v is not None} for x in m.messages]
+            ob.tokenize_prompt(key, model, None, conv, constraint=so, tools=m.tools)
         else:
             ob.tokenize_prompt(key, model, m.prompt, constraint=so)
         return ob
@@ -184,8 +186,9 @@ class Cluster:
         self.client_seen[ident] = now
         ob = Outbox()
         ob.to_client(ident, P.ModelsReply(models=[
-            P.ModelCard(id=name, max_model_len=self.groups.max_model_len(name), groups=len(self.groups.ready(name)))
-            for name in self.models]))
+            P.ModelCard(id=name, max_model_len=self.groups.max_model_len(name), groups=len(self.groups.ready(name)),
+                        tool_call_parser=info.tool_call_parser)
+            for name, info in self.models.items()]))
         return ob
 
     # ================================================================ requests

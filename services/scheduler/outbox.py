@@ -32,6 +32,7 @@ class TokenizeJob(NamedTuple):
     messages: list[dict[str, str]] | None = None
     ids: list[int] | None = None  # already tokenized: the job only compiles the constraint
     constraint: object = None  # StructuredOutputsParams: compiled in the same job
+    tools: list[dict] | None = None  # chat: function definitions for the template
 
 
 class Outbox:
@@ -57,8 +58,8 @@ class Outbox:
 
     def tokenize_prompt(self, key: str, model: str, text: str | None,
                         messages: list[dict[str, str]] | None = None, ids: list[int] | None = None,
-                        constraint: object = None) -> None:
-        self.tokenize.append(TokenizeJob(key, model, text, messages, ids, constraint))
+                        constraint: object = None, tools: list[dict] | None = None) -> None:
+        self.tokenize.append(TokenizeJob(key, model, text, messages, ids, constraint, tools))
 
     def extend(self, other: Outbox) -> Outbox:
         self.items.extend(other.items)

@@ -22,6 +22,7 @@ import zmq
 
 from common import messages as P
 from common.chat import chat_prompt, load_chat_template
+from common.tool_parsers import PARSERS, parser_for_template
 from common.codec import ProtocolError, group_topic, v1_refusal
 from common.config import SchedulerConfig, from_cli_args
 from common.curve import curve_server_keys, start_authenticator
@@ -62,6 +63,8 @@ class SchedulerService:
     def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.chat_template = load_chat_template(cfg.chat_template)  # None: each model's own
+        if cfg.tool_call_parser != "auto" and cfg.tool_call_parser not in PARSERS:
+            raise InvalidRequest(f"--tool-call-parser {cfg.tool_call_parser!r}: use auto or one of {sorted(PARSERS)}")
         self.id = uuid.uuid4().hex[:12]
         self.ctx = ctx or zmq.Context.instance()
         models = load_models(cfg.models, cfg.generation_config)
@@ -116,6 +119,8 @@ class SchedulerService:
         # tokenizers load first in the pool (FIFO): a prompt's job waits for its model's
         self.tokenizers = {name: self.pool.submit(self._load_tokenizer, name, info.cfg.model_dir)
                            for name, info in models.items()}
+        for name, fut in self.tokenizers.items():
+            fut.add_done_callback(lambda f, name=name: self._tokenizer_loaded(name, f))
         self.tok_results: queue.SimpleQueue = queue.SimpleQueue()
         self.grammar_compilers: dict[str, GrammarCompiler] = {}  # per model, made on first use
         self.grammar_lock = threading.Lock()
@@ -223,12 +228,27 @@ class SchedulerService:
 
         ch.dispatch(table, on_bad=on_bad, on_error=on_error, limit=limit)
 
+    def _tokenizer_loaded(self, name: str, fut) -> None:  # a pool thread
+        parser = self.cfg.tool_call_parser
+        if parser == "auto":
+            try:
+                parser = parser_for_template(self.chat_template or getattr(fut.result(), "chat_template", None)) or ""
+            except Exception:  # noqa: BLE001 - the load failure is logged where it happened
+                parser = ""
+        self.tok_results.put((None, name, None, parser))  # to the loop, which owns the state
+        with self.wake_lock:
+            self.wake_tx.send(b"", zmq.NOBLOCK)
+
     def _on_tokenized(self) -> None:
         while True:
             try:
                 key, ids, err, grammar = self.tok_results.get_nowait()
             except queue.Empty:
                 return
+            if key is None:  # a model's tokenizer loaded: ids is its name, grammar its tool-call parser
+                self.cluster.models[ids].tool_call_parser = grammar
+                log.info("tool calls", model=ids, parser=grammar or "none recognised")
+                continue
             self._send(self.cluster.on_tokenized(key, ids, err, time.monotonic(), grammar))
 
     @staticmethod
@@ -245,14 +265,14 @@ class SchedulerService:
         return tok
 
     def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None,
-                  ids: list[int] | None = None, constraint=None) -> None:
+                  ids: list[int] | None = None, constraint=None, tools: list[dict] | None = None) -> None:
         loading = self.tokenizers[model]
 
         def job():
             if ids is not None:
                 out = ids
             elif messages is not None:  # the chat template, here for every client alike
-                out = chat_prompt(loading.result(), messages, self.chat_template)[1]
+                out = chat_prompt(loading.result(), messages, self.chat_template, tools)[1]
             else:
                 out = loading.result().encode(text)
             # the grammar compiles here too, off the loop (xgrammar releases the GIL), cached

@@ -142,7 +142,7 @@ class ModelRunner:
         except KeyError as e:
             raise ValueError(f"step has a bitmask for request {e.args[0]!r}, which samples no token in it") from None
         return (torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.from_numpy(step.token_bitmask).to(self.device))
+                torch.tensor(step.token_bitmask, device=self.device))  # a copy: the wire's buffer is read-only
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
