@@ -5,7 +5,9 @@
   blocks; the text around them is the message's content.
 - `llama3_json` (Llama 3.1 / 3.2): the output is `{"name": ..., "parameters": {...}}` (or
   "arguments"), optionally after `<|python_tag|>`, several separated by `;`.
-- `mistral`: `[TOOL_CALLS]` then a JSON list of calls, or (newer templates) `name[ARGS]{...}`.
+- `mistral`: `[TOOL_CALLS]` then a JSON list of calls, or (newer templates) `name[ARGS]{...}`;
+  an answer that starts with the list itself too (the marker is a special token, which the
+  default skip_special_tokens drops from the text).
 - `json`: the output is a JSON array of `{"name", "parameters"}` objects (or one object): what
   tool_choice "required" forces (common/tools.py).
 
@@ -222,8 +224,8 @@ class HermesParser(ToolParser):
                 i = k + len(self.CLOSE)
                 ok = ok and call.ok
                 continue
-            if not final and self.CLOSE.startswith(text[k:]):
-                return segs, ok and call.ok  # the close tag is arriving
+            if self.CLOSE.startswith(text[k:]):  # the close tag is arriving, or the model
+                return segs, ok and call.ok  # ended the answer (EOS) before writing it
             call.ok = False
             return segs, False
 
@@ -254,6 +256,13 @@ class MistralParser(ToolParser):
     def segments(self, text: str, final: bool) -> tuple[list, bool]:
         j = text.find(self.TAG)
         if j < 0:
+            # [TOOL_CALLS] is a special token: detokenized with skip_special_tokens (the
+            # default) it is gone, and the answer starts with the calls' JSON list itself
+            s = text.lstrip()
+            if s.startswith("[{"):
+                return _scan_calls(s, 1, ",")
+            if not final and (not s or "[{".startswith(s)):
+                return [], True  # may be that list beginning
             return [text if final else text[:len(text) - _held(text, self.TAG)]], True
         segs = [text[:j]]
         i = _ws(text, j + len(self.TAG))

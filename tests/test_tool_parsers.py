@@ -18,6 +18,8 @@ CASES = {
          '<tool_call>{"arguments": {"q": "ü ✓"}, "name": "g"}</tool_call> done',
          "Sure.\n\n done", [("f", '{"a": [1, {"b": "x}</tool_call>"}]}'), ("g", '{"q": "ü ✓"}')]),
         ("no calls here <tool", "no calls here <tool", []),
+        # the model ended (EOS) before writing </tool_call>
+        ('<tool_call>\n{"name": "f", "arguments": {}}\n', None, [("f", "{}")]),
     ],
     "llama3_json": [
         ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {"n": {"m": []}}}', None,
@@ -28,6 +30,9 @@ CASES = {
         ('ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"z": "]"}}]', "ok ",
          [("f", '{"a": 1}'), ("g", '{"z": "]"}')]),
         ('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', None, [("f", '{"a": 1}'), ("g", "{}")]),
+        # [TOOL_CALLS] dropped by skip_special_tokens: the list alone
+        (' [{"name": "f", "arguments": {"a": 1}}]', None, [("f", '{"a": 1}')]),
+        ("[1] is a citation", "[1] is a citation", []),
     ],
     "json": [
         ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', None,

