@@ -69,6 +69,10 @@ def load_weights(model, model_dir: str | Path, quantization: str | None = None) 
     quantization = Q.resolve_quantization(quantization)
     targets = Q.int_targets(model, quantization)
     files = weight_files(model_dir)
+    if model.cfg.is_moe:  # fused 3-D expert tensors: a clear error, not a "missing tensor" one
+        from services.worker.model.moe import check_fused_checkpoint
+
+        check_fused_checkpoint(files, str(model_dir))
     params = dict(model.named_parameters())
     sources = model.weight_sources()
     missing_params = sorted(set(params) - set(sources))

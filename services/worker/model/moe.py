@@ -1,0 +1,180 @@
+"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, OLMoE): router -> top-k -> experts.
+
+    block = SparseMoeBlock(cfg, "model.layers.3.mlp", tp, ops, device, dtype, expert_parallel=False)
+    y = block(x)                                    # x [T, H] -> [T, H], all-reduced over the group
+
+Routing (kernels.moe.route): softmax over every expert in fp32, top k, renormalized (Mixtral;
+Qwen3-MoE / OLMoE when `norm_topk_prob`) - as the three families' transformers routers do. The
+router weight is replicated and kept float on every shard, so all shards route alike.
+
+Experts are stacked: `w13` [E_local, 2*I_shard, H] (each expert's gate rows, then its up rows)
+and `w2` [E_local, H, I_shard], the layout `ops.fused_moe` (torch twin / Triton grouped GEMM)
+reads. Each expert is also an `ExpertMLP` module whose `gate_up_proj` / `down_proj` parameters
+are *views* of its slice of those stacks: the loaders, the int8/int4 quantizer and the GGUF
+packer see ordinary Column/RowParallelLinear weights named `mlp.experts.{e}.*` and fill them by
+the same plan as a dense MLP, with no copy. Once the experts are packed (a GGUF's Q8_0/Q4_0, or
+--quantization int8|int4) the stacks are dropped and the block runs each active expert's packed
+matmuls (the same per-active-expert loop as the twin).
+
+Parallelism over a group of T shards (one all-reduce at the end either way):
+- tensor parallel (default): every shard holds every expert, gate/up column-split and down
+  row-split by the intermediate size; the shards' partial sums add up in the all-reduce;
+- expert parallel (`--enable-expert-parallel`): shard r holds experts [r*E/T, (r+1)*E/T) whole
+  and computes their contributions for all tokens; the all-reduce adds the shards' experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.errors import ModelLoadError
+from common.model_config import ModelConfig
+from kernels.moe import expert_groups, route
+from services.worker.model.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPInfo,
+    WeightSource,
+    divide,
+)
+
+_NO_TP = TPInfo(0, 1, None)
+
+
+def hf_expert_names(cfg: ModelConfig, prefix: str, e: int) -> tuple[str, str, str]:
+    """The checkpoint names of expert e's gate, up and down weights (per-expert, as
+    `save_pretrained` writes them and real checkpoints ship)."""
+    if cfg.family == "mixtral":
+        p = f"{prefix}.experts.{e}"
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    p = f"{prefix}.experts.{e}"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def moe_prefix(cfg: ModelConfig, layer_prefix: str) -> str:
+    """Where a layer's MoE block lives in the checkpoint: Mixtral `block_sparse_moe`, else `mlp`."""
+    return f"{layer_prefix}.block_sparse_moe" if cfg.family == "mixtral" else f"{layer_prefix}.mlp"
+
+
+class Router(nn.Module):
+    """The replicated router [E, H]; never packed (a rounding flip would change the expert)."""
+
+    def __init__(self, num_experts: int, hidden: int, device, dtype):
+        super().__init__()
+        self.num_experts, self.hidden = num_experts, hidden
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def sources(self, hf_name: str) -> list[WeightSource]:
+        return [WeightSource(hf_name, (self.num_experts, self.hidden))]
+
+
+class ExpertMLP(nn.Module):
+    """One expert: fused gate/up (column-parallel) and down (row-parallel, reduced by the block)."""
+
+    def __init__(self, hidden: int, inter: int, tp: TPInfo, w13: torch.Tensor, w2: torch.Tensor, device, dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], tp, False, "meta", dtype,
+                                                 part_names=["moe_intermediate_size", "moe_intermediate_size"])
+        self.down_proj = RowParallelLinear(inter, hidden, tp, "meta", dtype, what="moe_intermediate_size")
+        # views of the block's stacks (built on "meta" above: no throwaway allocation)
+        self.gate_up_proj.weight = nn.Parameter(w13, requires_grad=False)
+        self.down_proj.weight = nn.Parameter(w2, requires_grad=False)
+
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up_proj.quantized or self.down_proj.quantized
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        # down_proj.matmul, not forward: the block all-reduces once for all experts
+        return self.down_proj.matmul(ops.silu_and_mul(self.gate_up_proj.matmul(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPInfo, ops, device, dtype, expert_parallel: bool = False):
+        super().__init__()
+        self.ops, self.prefix, self.cfg, self.tp = ops, prefix, cfg, tp
+        n, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.expert_parallel = expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            self.num_local = divide_experts(n, tp.size)
+            self.expert_start = tp.rank * self.num_local
+            expert_tp, i_shard = _NO_TP, i
+        else:
+            self.num_local, self.expert_start = n, 0
+            expert_tp, i_shard = tp, divide(i, tp.size, "moe_intermediate_size")
+        self.gate = Router(n, h, device, dtype)
+        w13 = torch.empty(self.num_local, 2 * i_shard, h, device=device, dtype=dtype)
+        w2 = torch.empty(self.num_local, h, i_shard, device=device, dtype=dtype)
+        self._stacks: tuple[torch.Tensor, torch.Tensor] | None = (w13, w2)  # plain attributes: not params
+        self.experts = nn.ModuleList(ExpertMLP(h, i, expert_tp, w13[e], w2[e], device, dtype)
+                                     for e in range(self.num_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        stacks = self._float_stacks()
+        if stacks is not None:
+            out = self.ops.fused_moe(x, stacks[0], stacks[1], weights.to(x.dtype), ids, self.expert_start)
+        else:  # packed experts: each active expert's packed matmuls
+            out = torch.zeros_like(x)
+            flat_w = weights.reshape(-1).to(x.dtype)
+            for e, slots, tok in expert_groups(ids, self.num_local, self.expert_start):
+                y = self.experts[e](x.index_select(0, tok), self.ops)
+                out.index_add_(0, tok, y * flat_w[slots].unsqueeze(1))
+        return self.tp.all_reduce(out)
+
+    def _float_stacks(self):
+        """The stacked float weights, or None once any expert is packed (the stacks are then
+        dropped: the packed copies replace them)."""
+        if self._stacks is not None and any(ex.quantized for ex in self.experts):
+            self._stacks = None
+        return self._stacks
+
+    def weight_sources(self) -> dict[str, list[WeightSource]]:
+        out = {"gate.weight": self.gate.sources(f"{self.prefix}.gate.weight")}
+        for local, ex in enumerate(self.experts):
+            gate, up, down = hf_expert_names(self.cfg, self.prefix, self.expert_start + local)
+            out[f"experts.{local}.gate_up_proj.weight"] = ex.gate_up_proj.sources([gate, up])
+            out[f"experts.{local}.down_proj.weight"] = ex.down_proj.sources(down)
+        return out
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a whole projection split across the shards (OLMoE's q/k norms: one norm over
+    all heads, not per head). Each shard holds its slice of the vector and of the weight; the sum
+    of squares is all-reduced so every shard divides by the full vector's RMS, as HF does."""
+
+    def __init__(self, shard_size: int, full_size: int, eps: float, tp: TPInfo, device, dtype):
+        super().__init__()
+        self.shard_size, self.full_size, self.eps, self.tp = shard_size, full_size, eps, tp
+        self.weight = nn.Parameter(torch.empty(shard_size, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sq = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        normed = xf * torch.rsqrt(sq / self.full_size + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def sources(self, hf_name: str) -> list[WeightSource]:
+        return [WeightSource(hf_name, (self.full_size,), 0, self.tp.rank * self.shard_size, self.shard_size, 0)]
+
+
+def divide_experts(n: int, shards: int) -> int:
+    if n % shards:
+        raise ModelLoadError(f"num_experts ({n}) is not divisible by tensor_parallel_size ({shards}) "
+                             "for expert parallelism")
+    return n // shards
+
+
+def check_fused_checkpoint(names, model_dir: str) -> None:
+    """A clear error for checkpoints that store experts fused (`experts.gate_up_proj`, 3-D):
+    transformers' save_pretrained writes per-expert tensors, which is what we read."""
+    for name in names:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj.weight")):
+            raise ModelLoadError(f"checkpoint in {model_dir!r} stores experts fused ({name!r}); zeroserve reads "
+                                 "per-expert tensors (experts.{i}.gate_proj/up_proj/down_proj or w1/w2/w3)")

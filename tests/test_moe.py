@@ -1,0 +1,180 @@
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) against HF transformers in fp32.
+
+Each family's tiny model (services/tiny_model.py: 8 experts, top-2, 2 layers, written as
+transformers' save_pretrained names them) is compared with HF: logits of a prefill and decode
+steps on the paged cache, then greedy generations through `zeroserve.LLM` (several prompts in
+one continuous batch). Also: experts packed by --quantization int8/int4, the compiled decode step
+staying off for MoE, work done only for the experts a batch routes to, and the config errors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.errors import ModelLoadError
+from common.model_config import ModelConfig
+from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
+    PagedKV,
+    cached_model_dir,
+    hf_logits,
+    load_hf_model,
+    load_our_model,
+    make_model_dir,
+    random_prompt,
+    run_step,
+    torch_single_thread,
+)
+from tests.hf_reference import explain_mismatch, hf_greedy
+
+ARCHS = ("mixtral", "qwen3moe", "olmoe")
+ATOL = 2e-4
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def _greedy(model, kv, prompt, steps):
+    rows = [run_step(model, kv, [("r", prompt)], all_rows=True)]
+    toks = list(prompt)
+    for _ in range(steps):
+        toks.append(int(rows[-1][-1].argmax()))
+        rows.append(run_step(model, kv, [("r", [toks[-1]])]))
+    return toks, torch.cat(rows)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_decode_logits_match_hf(arch):
+    d = cached_model_dir(arch)
+    cfg, ours = load_our_model(d)
+    assert cfg.is_moe and cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+    prompt = random_prompt(21, cfg.vocab_size, seed=1)
+    toks, got = _greedy(ours, PagedKV(ours, num_blocks=16), prompt, 6)
+    ref = hf_logits(load_hf_model(d), toks)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    assert toks[21:] == ref[20:-1].argmax(-1).tolist()
+
+
+def test_family_switches_read_from_config():
+    mix = ModelConfig.from_dir(cached_model_dir("mixtral"))
+    qwen = ModelConfig.from_dir(cached_model_dir("qwen3moe"))
+    olmoe = ModelConfig.from_dir(cached_model_dir("olmoe"))
+    assert (mix.norm_topk_prob, mix.moe_intermediate_size, mix.dense_layers) == (True, 128, [])
+    assert (qwen.norm_topk_prob, qwen.moe_intermediate_size, qwen.dense_layers, qwen.qk_norm) == (True, 64, [1], True)
+    assert (olmoe.norm_topk_prob, olmoe.qk_norm_full, olmoe.qk_norm) == (False, True, False)
+    _, model = load_our_model(cached_model_dir("qwen3moe"))
+    assert type(model.layers[0].mlp).__name__ == "SparseMoeBlock" and type(model.layers[1].mlp).__name__ == "MLP"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llm_batched_greedy_matches_hf(arch):
+    from zeroserve import LLM, SamplingParams
+
+    prompts = [random_prompt(n, 512, seed=300 + i) for i, n in enumerate((3, 17, 40))]
+    llm = LLM(str(cached_model_dir(arch)), num_kv_blocks=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10))
+    for p, out in zip(prompts, outs):
+        ref = hf_greedy(arch, p, 10)
+        got = list(out.outputs[0].token_ids)
+        assert got == ref, explain_mismatch(arch, p, got, ref)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_experts_stay_packed(quant):
+    d = cached_model_dir("mixtral")
+    _, ref = load_our_model(d)
+    _, q = load_our_model(d, quantization=quant)
+    n_experts = sum(len(layer.mlp.experts) for layer in q.layers)
+    # qkv, o per layer + gate_up, down per expert + the LM head (int8); the embedding stays float
+    assert q.quant_summary() == {quant: 2 * len(q.layers) + 2 * n_experts + (quant == "int8"), "float": 1,
+                                 **({"int8": 1} if quant == "int4" else {})}
+    assert all(layer.mlp.gate.weight.dtype == torch.float32 for layer in q.layers)  # the router stays float
+    assert q.weight_bytes() < 0.5 * ref.weight_bytes()
+    # the packed model computes what the float model with the dequantized weights computes
+    with torch.no_grad():
+        for name, mod in q.quantizable().items():
+            dict(ref.named_parameters())[name].copy_(mod.float_weight())
+    prompt = random_prompt(19, 512, seed=4)
+    got = run_step(q, PagedKV(q, num_blocks=8), [("r", prompt)], all_rows=True)
+    want = run_step(ref, PagedKV(ref, num_blocks=8), [("r", prompt)], all_rows=True)
+    assert q.layers[0].mlp._stacks is None  # the float stacks were dropped for the packed copies
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_compiled_decode_step_excludes_moe():
+    from services.worker.model.cpu_step import CpuDecodeStep
+
+    _, model = load_our_model(cached_model_dir("mixtral"), backend="cpu", quantization="int8")
+    assert CpuDecodeStep.build(model) is None
+    _, dense = load_our_model(cached_model_dir("llama"), backend="cpu", quantization="int8")
+    from kernels import cpu_native
+    if cpu_native.step_lib() is not None:  # a dense packed model does get it: the check is specific
+        assert CpuDecodeStep.build(dense) is not None
+
+
+def test_work_only_for_routed_experts(monkeypatch):
+    """One decode token touches top_k experts per layer, whatever the expert count."""
+    import kernels.moe as M
+
+    calls = []
+    real = M.expert_groups
+
+    def counting(ids, num_local, start=0):
+        groups = real(ids, num_local, start)
+        calls.append((ids.shape[0], len(groups)))
+        return groups
+
+    monkeypatch.setattr(M, "expert_groups", counting)
+    d = cached_model_dir("olmoe", num_experts=32)
+    _, model = load_our_model(d)
+    kv = PagedKV(model, num_blocks=8)
+    run_step(model, kv, [("r", random_prompt(5, 512, seed=2))])
+    calls.clear()
+    run_step(model, kv, [("r", [7])])
+    assert calls == [(1, 2)] * 2  # 2 layers, 2 of 32 experts each
+
+
+def test_num_params_matches_model():
+    for arch in ARCHS:
+        cfg, model = load_our_model(cached_model_dir(arch))
+        n = sum(p.numel() for p in model.parameters())
+        assert cfg.num_params() == n, arch
+
+
+def _edit_config(d, **changes):
+    p = d / "config.json"
+    data = json.loads(p.read_text())
+    data.update(changes)
+    p.write_text(json.dumps(data))
+
+
+def test_config_errors(tmp_path):
+    d = make_model_dir(tmp_path / "m", "mixtral")
+    _edit_config(d, num_experts_per_tok=9)
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok 9 exceeds num_local_experts 8"):
+        ModelConfig.from_dir(d)
+    _edit_config(d, num_experts_per_tok=2, num_local_experts=0)
+    with pytest.raises(ModelLoadError, match="'num_local_experts' must be a positive integer"):
+        ModelConfig.from_dir(d)
+
+
+def test_expert_parallel_needs_divisible_experts():
+    from kernels import get_ops
+    from services.worker.model import build_model
+
+    cfg = ModelConfig.from_dir(cached_model_dir("mixtral", num_local_experts=5))
+    with pytest.raises(ModelLoadError, match=r"num_experts \(5\) is not divisible by tensor_parallel_size \(2\)"):
+        build_model(cfg, "cpu", torch.float32, get_ops("torch"), tp_rank=0, tp_size=2, expert_parallel=True)
+
+
+def test_fused_expert_checkpoint_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = make_model_dir(tmp_path / "m", "olmoe")
+    w = load_file(str(d / "model.safetensors"))
+    w["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(8, 256, 64)
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="stores experts fused"):
+        load_our_model(d)
