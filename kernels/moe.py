@@ -41,19 +41,17 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 def expert_groups(ids: torch.Tensor, num_local: int, expert_start: int = 0):
     """The (local expert, flat slot indices, token indices) of every expert that has routes,
-    in expert order. A flat slot is `t * k + j`; the token is `slot // k`. One argsort and one
-    bincount, then a Python loop over the *active* experts only."""
+    in expert order. A flat slot is `t * k + j`; the token is `slot // k`. One sort of the T*k
+    routes and a run-length count, so the host work is O(active experts), not O(E)."""
     k = ids.shape[1]
     flat = ids.reshape(-1) - expert_start
     key = torch.where((flat >= 0) & (flat < num_local), flat, torch.full_like(flat, num_local))
-    order = torch.argsort(key, stable=True)  # stable: tokens stay in order within an expert
-    counts = torch.bincount(key, minlength=num_local + 1)[:num_local].tolist()
-    out, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            slots = order[start:start + n]
+    skey, order = torch.sort(key, stable=True)  # stable: tokens stay in order within an expert
+    experts, counts = torch.unique_consecutive(skey, return_counts=True)
+    out = []
+    for e, slots in zip(experts.tolist(), order.split(counts.tolist())):
+        if e < num_local:  # the last run may be the other shards' routes
             out.append((e, slots, slots // k))
-            start += n
     return out
 
 
