@@ -178,3 +178,23 @@ def test_fused_expert_checkpoint_is_refused(tmp_path):
     save_file(w, str(d / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="stores experts fused"):
         load_our_model(d)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_triton_backend_moe_matches_hf(arch):
+    """The MoE block through the Triton grouped GEMM (interpreter on CPU; the GPU when
+    ZEROSERVE_TEST_GPU=1), inside the whole model, against HF."""
+    pytest.importorskip("triton")
+    import os
+
+    use_gpu = bool(os.environ.get("ZEROSERVE_TEST_GPU")) and torch.cuda.is_available()
+    if not use_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU (set by conftest) or a GPU")
+    device = "cuda" if use_gpu else "cpu"
+    d = cached_model_dir(arch)
+    cfg, ours = load_our_model(d, backend="triton", device=device)
+    kv = PagedKV(ours, num_blocks=8, device=device)
+    prompt = random_prompt(18, cfg.vocab_size, seed=9)
+    toks, got = _greedy(ours, kv, prompt, 1)
+    torch.testing.assert_close(got.cpu(), hf_logits(load_hf_model(d), toks), atol=ATOL if device == "cpu" else 2e-3,
+                               rtol=0)
