@@ -198,3 +198,13 @@ def test_triton_backend_moe_matches_hf(arch):
     toks, got = _greedy(ours, kv, prompt, 1)
     torch.testing.assert_close(got.cpu(), hf_logits(load_hf_model(d), toks), atol=ATOL if device == "cpu" else 2e-3,
                                rtol=0)
+
+
+def test_make_tiny_model_cli_moe_archs(tmp_path, capsys):
+    from services.tiny_model import main
+
+    for arch in ARCHS:
+        assert main([str(tmp_path / arch), "--arch", arch, "--size", "tiny"]) == 0
+        cfg = ModelConfig.from_dir(tmp_path / arch)
+        assert cfg.is_moe and cfg.family == arch
+    assert "wrote tiny olmoe model" in capsys.readouterr().out
