@@ -18,6 +18,7 @@ def fused_moe_kernel(
     s_a, s_we, s_wn, s_o,
     N, K, top_k, num_slots,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -39,7 +40,13 @@ def fused_moe_kernel(
         k_ok = kk < K
         a = tl.load(a_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(a, w)
+        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (as in _triton_kernels.py)
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:  # fp32 models: full-precision dots, not TF32
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
     if MUL_WEIGHT:
         rw = tl.load(weights_ptr + slots, mask=row_ok, other=0.0)
         acc = acc * rw[:, None]

@@ -111,6 +111,7 @@ def _grouped_gemm(a, w, out, sorted_slots, tile_expert, weights, top_k, mul_weig
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         n_out, kdim, top_k, out.shape[0],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MUL_WEIGHT=mul_weight,
+        IEEE=a.dtype == torch.float32, UPCAST=a.dtype == torch.bfloat16 and a.device.type == "cpu",
     )
 
 
