@@ -11,6 +11,7 @@ of --rounds interleaved rounds of the median over --steps steps.
 
     .venv/bin/python benchmarks/moe.py                  # ~1-2 min on 2 busy cores
     .venv/bin/python benchmarks/moe.py --experts 4 8 16 32 64 --batches 1 8 --json
+    .venv/bin/python benchmarks/moe.py --quantization int8 --batches 1
 
 Goals (issue 22): MoE / dense <= 1.5x at batch 1; step time nearly flat from 4 to 64 experts at
 batch 1 (a decode token uses top_k experts per layer whatever E is). At larger batches more
@@ -63,12 +64,17 @@ def _decode_meta(batch: int, context: int, block_size: int):
 class _Bench:
     """One model with its decode batch and caches, timed in rounds (see main)."""
 
-    def __init__(self, cfg, batch: int, context: int, backend: str, seed: int = 0):
+    def __init__(self, cfg, batch: int, context: int, backend: str, seed: int = 0, quantization: str = "none"):
         from kernels import get_ops
         from services.worker.model import build_model
 
         self.cfg, self.batch = cfg, batch
         self.model = build_model(cfg, "cpu", torch.float32, get_ops(backend), init="random", seed=seed)
+        if quantization != "none":  # as a load with --quantization int8|int4 packs the weights
+            from services.worker.model import quantize as Q
+
+            for pname, target in Q.int_targets(self.model, quantization).items():
+                Q.quantize_module(pname, *target, self.model.device)
         self.pos, self.meta, blocks = _decode_meta(batch, context, 16)
         shape = (blocks, 16, self.model.num_kv_heads, self.model.head_dim)
         self.caches = [(torch.randn(shape) * 0.1, torch.randn(shape) * 0.1) for _ in range(self.model.num_layers)]
@@ -98,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--backend", default="cpu", choices=["cpu", "torch"])
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                    help="pack the linears (the dense model then takes the compiled decode step, MoE does not)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -107,8 +115,13 @@ def main(argv=None) -> int:
     for b in a.batches:
         # every model built first, then timed in interleaved rounds (best median of --rounds):
         # neighbours on a shared box slow whole seconds, not one configuration
-        benches = {e: _Bench(_config(e, a.top_k, a.expert_inter, a.layers), b, a.context, a.backend)
+        benches = {e: _Bench(_config(e, a.top_k, a.expert_inter, a.layers), b, a.context, a.backend,
+                             quantization=a.quantization)
                    for e in [0, *a.experts]}
+        if a.quantization != "none":  # packed dense models take the compiled step; MoE cannot
+            benches["layers"] = _Bench(_config(0, a.top_k, a.expert_inter, a.layers), b, a.context, a.backend,
+                                       quantization=a.quantization)
+            benches["layers"].model.set_cpu_step(False)
         best = {e: float("inf") for e in benches}
         for _ in range(a.rounds):
             for e, bench in benches.items():
@@ -117,6 +130,10 @@ def main(argv=None) -> int:
         dense = best.pop(0)
         rows.append({"model": f"dense (MLP {a.top_k * a.expert_inter})", "batch": b, "step_ms": round(dense, 2),
                      "vs_dense": 1.0})
+        if "layers" in best:
+            ms = best.pop("layers")
+            rows.append({"model": "dense, per-layer path", "batch": b, "step_ms": round(ms, 2),
+                         "vs_dense": round(ms / dense, 2)})
         for e, ms in best.items():
             rows.append({"model": f"moe E={e} top-{a.top_k}", "batch": b, "step_ms": round(ms, 2),
                          "vs_dense": round(ms / dense, 2)})
