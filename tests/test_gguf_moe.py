@@ -73,3 +73,32 @@ def test_llm_serves_a_quantized_moe_gguf(tmp_path):
     packed = LLM(str(g), num_kv_blocks=32).generate([PROMPT], params)[0].outputs[0].token_ids
     floats = LLM(str(g), num_kv_blocks=32, quantization="none").generate([PROMPT], params)[0].outputs[0].token_ids
     assert list(packed) == list(floats) and len(packed) == 8
+
+
+def test_legacy_per_expert_mixtral_gguf(tmp_path):
+    """Mixtral GGUFs from before llama.cpp stacked the experts: blk.N.ffn_gate.E.weight etc."""
+    import gguf
+    import numpy as np
+
+    from tests.gguf_export import write_gguf
+
+    d = cached_model_dir("mixtral")
+    g = export_hf_dir(d, tmp_path / "stacked.gguf", qtype="Q8_0")
+    reader = gguf.GGUFReader(str(g))
+    tensors = {}
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if "_exps." in t.name:  # split the stack [E, rows, bytes] into per-expert 2-D tensors
+            for e in range(data.shape[0]):
+                tensors[t.name.replace("_exps.weight", f".{e}.weight")] = (data[e], t.tensor_type.name)
+        else:
+            tensors[t.name] = (data, t.tensor_type.name)
+    cfg = ModelConfig.from_dir(d)
+    hp = {"block_count": cfg.num_layers, "embedding_length": cfg.hidden_size,
+          "feed_forward_length": cfg.intermediate_size, "head_count": cfg.num_heads, "head_count_kv": cfg.num_kv_heads,
+          "head_dim": cfg.head_dim, "extra": {"llama.expert_count": 8, "llama.expert_used_count": 2}}
+    legacy = write_gguf(tmp_path / "legacy.gguf", "llama", hp, tensors)
+    _, a = load_our_model(g)
+    _, b = load_our_model(legacy)
+    assert b.layers[0].mlp.experts[3].down_proj.qweight.format == "q8_0"
+    assert torch.equal(_logits(a), _logits(b))

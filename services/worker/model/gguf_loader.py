@@ -201,11 +201,15 @@ def plan_gguf_pieces(model, gf: GGUFFile) -> list[_Piece]:
         for src in srcs:
             name = gguf_name(src.hf_name)
             t = tensors.get(name)
+            expert = expert_gguf_name(src.hf_name)
+            if t is None and expert is not None:  # llama.cpp before 2024-04: one 2-D tensor per expert
+                legacy = name.replace("_exps.weight", f".{expert[1]}.weight")
+                if legacy in tensors:
+                    name, t, expert = legacy, tensors[legacy], None
             if t is None:
                 raise ModelLoadError(
                     f"{path.name} is missing tensor {name!r} (for {src.hf_name}, needed by {model.cfg.architecture})"
                 )
-            expert = expert_gguf_name(src.hf_name)
             want = tuple(src.full_shape) if expert is None else (model.cfg.num_experts, *src.full_shape)
             if t.shape != want:
                 raise ModelLoadError(
