@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["align_block_size", "expert_groups", "fused_moe", "fused_moe_triton", "route"]
+__all__ = ["align_block_size", "expert_groups", "fused_moe", "fused_moe_triton", "route", "single_token_routes"]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +55,24 @@ def expert_groups(ids: torch.Tensor, num_local: int, expert_start: int = 0):
     return out
 
 
+def single_token_routes(ids: torch.Tensor, weights: torch.Tensor, num_local: int,
+                        expert_start: int = 0) -> list[tuple[int, float]]:
+    """(local expert, weight) of a one-token batch's routes, in expert order (as the grouped
+    path adds them). Batch-1 decode on CPU: host lists instead of a sort, an index_select and
+    an index_add per expert, which cost more than the expert's matmuls at this size."""
+    pairs = sorted(zip(ids[0].tolist(), weights[0].tolist()))
+    return [(e - expert_start, w) for e, w in pairs if 0 <= e - expert_start < num_local]
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
     """The torch twin (and the CPU path): one gate/up and one down matmul per active expert."""
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        out = torch.zeros_like(x)
+        for e, w in single_token_routes(ids, weights, w13.shape[0], expert_start):
+            gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
+            out += F.linear(F.silu(gate) * up, w2[e]) * w
+        return out
     out = torch.zeros_like(x)
     flat_w = weights.reshape(-1)
     for e, slots, tok in expert_groups(ids, w13.shape[0], expert_start):

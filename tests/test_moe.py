@@ -115,25 +115,36 @@ def test_compiled_decode_step_excludes_moe():
 
 
 def test_work_only_for_routed_experts(monkeypatch):
-    """One decode token touches top_k experts per layer, whatever the expert count."""
+    """A decode step runs top_k experts per layer and token, whatever the expert count: the
+    expert matmuls are counted (the stacks' per-expert slices w13[e] the twin multiplies)."""
     import kernels.moe as M
 
-    calls = []
-    real = M.expert_groups
+    used = []
+    real_groups, real_single = M.expert_groups, M.single_token_routes
 
-    def counting(ids, num_local, start=0):
-        groups = real(ids, num_local, start)
-        calls.append((ids.shape[0], len(groups)))
-        return groups
+    def groups(ids, num_local, start=0):
+        out = real_groups(ids, num_local, start)
+        used.append((ids.shape[0], len(out)))
+        return out
 
-    monkeypatch.setattr(M, "expert_groups", counting)
-    d = cached_model_dir("olmoe", num_experts=32)
-    _, model = load_our_model(d)
+    def single(ids, weights, num_local, start=0):
+        out = real_single(ids, weights, num_local, start)
+        used.append((1, len(out)))
+        return out
+
+    monkeypatch.setattr(M, "expert_groups", groups)
+    monkeypatch.setattr(M, "single_token_routes", single)
+    _, model = load_our_model(cached_model_dir("olmoe", num_experts=32))
     kv = PagedKV(model, num_blocks=8)
     run_step(model, kv, [("r", random_prompt(5, 512, seed=2))])
-    calls.clear()
+    assert all(n <= min(5 * 2, 32) for _, n in used) and len(used) == 2
+    used.clear()
     run_step(model, kv, [("r", [7])])
-    assert calls == [(1, 2)] * 2  # 2 layers, 2 of 32 experts each
+    assert used == [(1, 2)] * 2  # 2 layers, 2 of 32 experts each
+    used.clear()
+    kv2 = PagedKV(model, num_blocks=8)
+    run_step(model, kv2, [("a", [5, 6]), ("b", [9])])  # 3 tokens: at most 6 experts per layer
+    assert len(used) == 2 and all(t == 3 and n <= 6 for t, n in used)
 
 
 def test_num_params_matches_model():

@@ -48,9 +48,10 @@ def test_route_matches_softmax_topk(renorm):
     assert torch.equal(ids, ref_ids) and torch.allclose(w, ref_w)
 
 
+@pytest.mark.parametrize("t", [1, 13])  # 1: the batch-1 path without gather / scatter
 @pytest.mark.parametrize("start,local", [(0, 6), (2, 3)])
-def test_twin_matches_naive(start, local):
-    x, w13, w2, logits = _case()
+def test_twin_matches_naive(start, local, t):
+    x, w13, w2, logits = _case(t=t)
     w, ids = M.route(logits, 2, True)
     got = M.fused_moe(x, w13[start:start + local], w2[start:start + local], w, ids, expert_start=start)
     ref = _naive(x, w13[start:start + local], w2[start:start + local], w, ids, start)

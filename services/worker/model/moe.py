@@ -31,7 +31,7 @@ from torch import nn
 
 from common.errors import ModelLoadError
 from common.model_config import ModelConfig
-from kernels.moe import expert_groups, route
+from kernels.moe import expert_groups, route, single_token_routes
 from services.worker.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -120,6 +120,10 @@ class SparseMoeBlock(nn.Module):
         stacks = self._float_stacks()
         if stacks is not None:
             out = self.ops.fused_moe(x, stacks[0], stacks[1], weights.to(x.dtype), ids, self.expert_start)
+        elif x.shape[0] == 1:  # packed, one token (batch-1 decode): no gather / scatter
+            out = torch.zeros_like(x)
+            for e, w in single_token_routes(ids, weights.to(x.dtype), self.num_local, self.expert_start):
+                out += self.experts[e](x, self.ops) * w
         else:  # packed experts: each active expert's packed matmuls
             out = torch.zeros_like(x)
             flat_w = weights.reshape(-1).to(x.dtype)
