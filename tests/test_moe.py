@@ -180,15 +180,40 @@ def test_expert_parallel_needs_divisible_experts():
         build_model(cfg, "cpu", torch.float32, get_ops("torch"), tp_rank=0, tp_size=2, expert_parallel=True)
 
 
-def test_fused_expert_checkpoint_is_refused(tmp_path):
+def _fuse_experts(d, arch):
+    """Rewrite a per-expert checkpoint with transformers 5's module names: experts fused into
+    3-D `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I], routers under `mlp`."""
     from safetensors.torch import load_file, save_file
 
-    d = make_model_dir(tmp_path / "m", "olmoe")
+    from services.worker.model.moe import hf_expert_names, moe_prefix
+
+    cfg = ModelConfig.from_dir(d)
     w = load_file(str(d / "model.safetensors"))
-    w["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(8, 256, 64)
-    save_file(w, str(d / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="stores experts fused"):
-        load_our_model(d)
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        prefix = moe_prefix(cfg, f"model.layers.{i}")
+        names = [hf_expert_names(cfg, prefix, e) for e in range(cfg.num_experts)]
+        gate_up = torch.stack([torch.cat([w.pop(g), w.pop(u)]) for g, u, _ in names])
+        down = torch.stack([w.pop(dn) for _, _, dn in names])
+        w[f"model.layers.{i}.mlp.experts.gate_up_proj"] = gate_up
+        w[f"model.layers.{i}.mlp.experts.down_proj"] = down
+        w[f"model.layers.{i}.mlp.gate.weight"] = w.pop(f"{prefix}.gate.weight")
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
+def test_fused_expert_checkpoint_matches_hf(tmp_path, arch):
+    d = make_model_dir(tmp_path / "m", arch)
+    _, per_expert = load_our_model(d)
+    _fuse_experts(d, arch)
+    _, fused = load_our_model(d)
+    assert fused.layers[0].mlp.fused_checkpoint
+    for (name, a), (_, b) in zip(per_expert.named_parameters(), fused.named_parameters()):
+        assert torch.equal(a, b), name
+    prompt = random_prompt(9, 512, seed=8)
+    got = run_step(fused, PagedKV(fused, num_blocks=4), [("r", prompt)], all_rows=True)
+    torch.testing.assert_close(got, hf_logits(load_hf_model(d), prompt), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])

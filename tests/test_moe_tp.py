@@ -35,6 +35,8 @@ CASES = {
     "olmoe_ep": ("olmoe", True, None),
     "mixtral_q8_tp": ("mixtral", False, "Q8_0"),  # packed experts, sliced (block-aligned) per shard
     "qwen3moe_q4_ep": ("qwen3moe", True, "Q4_0"),  # packed experts, half of them per shard
+    "mixtral_fused_tp": ("mixtral", False, "fused"),  # 3-D experts.gate_up_proj: rows of each expert
+    "olmoe_fused_ep": ("olmoe", True, "fused"),  # 3-D: whole experts of this shard
 }
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -64,10 +66,18 @@ def _worker(rank: int, world: int, port: int, cases: dict, out_path: str) -> Non
 def test_moe_tp2_and_ep2_match_tp1(tmp_path):
     from tests.gguf_export import export_hf_dir
 
+    from tests.helpers import make_model_dir
+    from tests.test_moe import _fuse_experts
+
     cases = {}
     for name, (arch, ep, qtype) in CASES.items():
         d = cached_model_dir(arch)
-        cases[name] = (str(d if qtype is None else export_hf_dir(d, tmp_path / f"{name}.gguf", qtype=qtype)), ep)
+        if qtype == "fused":
+            d = make_model_dir(tmp_path / name, arch)
+            _fuse_experts(d, arch)
+        elif qtype is not None:
+            d = export_hf_dir(d, tmp_path / f"{name}.gguf", qtype=qtype)
+        cases[name] = (str(d), ep)
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     procs = []
@@ -102,8 +112,8 @@ def test_moe_tp2_and_ep2_match_tp1(tmp_path):
                 assert got["experts"] == (r * e // TP, e // TP) and got["w13"] == (2 * i, h)
             else:  # every expert, half of its intermediate rows
                 assert got["experts"] == (0, e) and got["w13"] == (2 * i // TP, h)
-            assert got["packed"] == (qtype is not None)
-            if qtype is not None:
+            assert got["packed"] == (qtype not in (None, "fused"))
+            if got["packed"]:
                 continue  # packed weights are not parameters: param_bytes does not see them
             full, part = ref[name]["bytes"], got["bytes"]
             # the router is replicated: a few KiB over an exact half

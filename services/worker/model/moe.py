@@ -14,7 +14,9 @@ are *views* of its slice of those stacks: the loaders, the int8/int4 quantizer a
 packer see ordinary Column/RowParallelLinear weights named `mlp.experts.{e}.*` and fill them by
 the same plan as a dense MLP, with no copy. Once the experts are packed (a GGUF's Q8_0/Q4_0, or
 --quantization int8|int4) the stacks are dropped and the block runs each active expert's packed
-matmuls (the same per-active-expert loop as the twin).
+matmuls (the same per-active-expert loop as the twin). A checkpoint holding transformers 5's
+fused 3-D `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] fills the same
+parameters from slices of those (`use_fused_experts`, `WeightSource.expert`).
 
 Parallelism over a group of T shards (one all-reduce at the end either way):
 - tensor parallel (default): every shard holds every expert, gate/up column-split and down
@@ -98,6 +100,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, tp: TPInfo, ops, device, dtype, expert_parallel: bool = False):
         super().__init__()
         self.ops, self.prefix, self.cfg, self.tp = ops, prefix, cfg, tp
+        self.fused_prefix = prefix.rsplit(".", 1)[0] + ".mlp"  # transformers 5 names every family's block `mlp`
+        self.fused_checkpoint = False  # set by the safetensors loader (use_fused_experts)
         n, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.expert_parallel = expert_parallel and tp.size > 1
@@ -145,6 +149,8 @@ class SparseMoeBlock(nn.Module):
         return self._stacks
 
     def weight_sources(self) -> dict[str, list[WeightSource]]:
+        if self.fused_checkpoint:
+            return _fused_expert_sources(self)
         out = {"gate.weight": self.gate.sources(f"{self.prefix}.gate.weight")}
         for local, ex in enumerate(self.experts):
             gate, up, down = hf_expert_names(self.cfg, self.prefix, self.expert_start + local)
@@ -173,6 +179,24 @@ class ShardedRMSNorm(nn.Module):
         return [WeightSource(hf_name, (self.full_size,), 0, self.tp.rank * self.shard_size, self.shard_size, 0)]
 
 
+def _fused_expert_sources(block: SparseMoeBlock) -> dict[str, list[WeightSource]]:
+    """Sources from fused tensors: gate_up_proj [E, 2I, H] (gate rows, then up rows) and
+    down_proj [E, H, I]; this shard's rows / columns of each of its experts."""
+    cfg, p = block.cfg, f"{block.fused_prefix}.experts"
+    n, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    out = {"gate.weight": block.gate.sources(f"{block.fused_prefix}.gate.weight")}
+    for local, ex in enumerate(block.experts):
+        e = block.expert_start + local
+        shard = ex.down_proj.shard_in
+        start = ex.down_proj.tp.rank * shard
+        out[f"experts.{local}.gate_up_proj.weight"] = [
+            WeightSource(f"{p}.gate_up_proj", (n, 2 * i, h), 1, start, shard, 0, expert=e),
+            WeightSource(f"{p}.gate_up_proj", (n, 2 * i, h), 1, i + start, shard, shard, expert=e)]
+        out[f"experts.{local}.down_proj.weight"] = [
+            WeightSource(f"{p}.down_proj", (n, h, i), 2, start, shard, 0, expert=e)]
+    return out
+
+
 def divide_experts(n: int, shards: int) -> int:
     if n % shards:
         raise ModelLoadError(f"num_experts ({n}) is not divisible by tensor_parallel_size ({shards}) "
@@ -180,10 +204,11 @@ def divide_experts(n: int, shards: int) -> int:
     return n // shards
 
 
-def check_fused_checkpoint(names, model_dir: str) -> None:
-    """A clear error for checkpoints that store experts fused (`experts.gate_up_proj`, 3-D):
-    transformers' save_pretrained writes per-expert tensors, which is what we read."""
-    for name in names:
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj.weight")):
-            raise ModelLoadError(f"checkpoint in {model_dir!r} stores experts fused ({name!r}); zeroserve reads "
-                                 "per-expert tensors (experts.{i}.gate_proj/up_proj/down_proj or w1/w2/w3)")
+def use_fused_experts(model, checkpoint_names) -> None:
+    """Point every MoE block at the checkpoint's expert layout: per expert (what transformers'
+    save_pretrained writes and real checkpoints ship) or fused 3-D `mlp.experts.gate_up_proj` /
+    `down_proj` (transformers 5's own module parameters, e.g. a state dict saved as is)."""
+    names = set(checkpoint_names)
+    for layer in model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.fused_checkpoint = f"{layer.mlp.fused_prefix}.experts.gate_up_proj" in names
