@@ -65,6 +65,11 @@ def test_family_switches_read_from_config():
     assert (olmoe.norm_topk_prob, olmoe.qk_norm_full, olmoe.qk_norm) == (False, True, False)
     _, model = load_our_model(cached_model_dir("qwen3moe"))
     assert type(model.layers[0].mlp).__name__ == "SparseMoeBlock" and type(model.layers[1].mlp).__name__ == "MLP"
+    moe = model.layers[0].mlp
+    w13, w2 = moe._float_stacks()  # the experts' parameters are views of one stack: no copy
+    assert w13.shape == (8, 2 * 64, 64) and w2.shape == (8, 64, 64)
+    assert w13.data_ptr() == moe.experts[0].gate_up_proj.weight.data_ptr()
+    assert torch.equal(w13[5], moe.experts[5].gate_up_proj.weight) and torch.equal(w2[7], moe.experts[7].down_proj.weight)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -85,6 +90,9 @@ def test_quantized_experts_stay_packed(quant):
     d = cached_model_dir("mixtral")
     _, ref = load_our_model(d)
     _, q = load_our_model(d, quantization=quant)
+    # nothing holds the float experts once packed (the block keeps no stack of its own)
+    assert all(q.layers[0].mlp._stacks is None and "weight" not in ex.gate_up_proj._parameters
+               for ex in q.layers[0].mlp.experts)
     n_experts = sum(len(layer.mlp.experts) for layer in q.layers)
     # qkv, o per layer + gate_up, down per expert + the LM head (int8); the embedding stays float
     assert q.quant_summary() == {quant: 2 * len(q.layers) + 2 * n_experts + (quant == "int8"), "float": 1,

@@ -115,7 +115,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(n, h, device, dtype)
         w13 = torch.empty(self.num_local, 2 * i_shard, h, device=device, dtype=dtype)
         w2 = torch.empty(self.num_local, h, i_shard, device=device, dtype=dtype)
-        self._stacks: tuple[torch.Tensor, torch.Tensor] | None = (w13, w2)  # plain attributes: not params
+        # not kept here: a reference would keep the float stacks alive after the experts are
+        # packed (their views popped); _float_stacks() re-derives them from the views' storage
+        self._stacks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.experts = nn.ModuleList(ExpertMLP(h, i, expert_tp, w13[e], w2[e], device, dtype)
                                      for e in range(self.num_local))
 
@@ -137,15 +139,18 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
     def _float_stacks(self):
-        """The stacked float weights, or None once any expert is packed (the stacks are then
-        dropped: the packed copies replace them). The scan over every expert runs once (and
-        again only if expert 0's state changes): per step it cost ~0.1 ms at 64 experts."""
-        if self._stacks is not None:
-            probe = self.experts[0].quantized
-            if getattr(self, "_probe", None) is not probe:
-                self._probe = probe
-                if any(ex.quantized for ex in self.experts):
-                    self._stacks = None
+        """The stacked float weights [E, 2I, H] / [E, H, I] (views of the storage the experts'
+        parameters share), or None once any expert is packed. The scan over every expert runs
+        once (and again only if expert 0's state changes): per step it cost ~0.1 ms at 64."""
+        probe = self.experts[0].quantized
+        if getattr(self, "_probe", None) is not probe:
+            self._probe, self._stacks = probe, None
+            self._packed = any(ex.quantized for ex in self.experts)
+        if self._packed:
+            return None
+        if self._stacks is None:
+            self._stacks = (_stacked([ex.gate_up_proj.weight for ex in self.experts]),
+                            _stacked([ex.down_proj.weight for ex in self.experts]))
         return self._stacks
 
     def weight_sources(self) -> dict[str, list[WeightSource]]:
@@ -177,6 +182,19 @@ class ShardedRMSNorm(nn.Module):
 
     def sources(self, hf_name: str) -> list[WeightSource]:
         return [WeightSource(hf_name, (self.full_size,), 0, self.tp.rank * self.shard_size, self.shard_size, 0)]
+
+
+def _stacked(ws: list[torch.Tensor]) -> torch.Tensor:
+    """[E, rows, cols] over the experts' weights: a view when they still are the consecutive
+    slices of one stack they were built as, else (parameters replaced) a stacked copy."""
+    w0 = ws[0]
+    n = w0.numel()
+    shared = all(w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr() and w.is_contiguous()
+                 and w.storage_offset() == w0.storage_offset() + e * n and w.shape == w0.shape
+                 for e, w in enumerate(ws))
+    if not shared:
+        return torch.stack(ws)
+    return w0.as_strided((len(ws), *w0.shape), (n, *w0.stride()), w0.storage_offset())
 
 
 def _fused_expert_sources(block: SparseMoeBlock) -> dict[str, list[WeightSource]]:
