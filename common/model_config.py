@@ -80,7 +80,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ derived
     @property
     def family(self) -> str:
-        """"llama" (Llama, Mistral), "qwen2" or "qwen3"."""
+        """"llama" (Llama, Mistral), "qwen2", "qwen3"; MoE: "mixtral", "qwen3moe", "olmoe"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
