@@ -240,6 +240,8 @@ class ParallelArgs:
     """tensor parallelism"""
 
     tp_size: int = knob(1, "tensor-parallel shards in this worker's group")
+    enable_expert_parallel: bool = knob(False, "MoE models: split the experts over the group's shards (each holds "
+                                               "E/tp whole experts) instead of slicing every expert")
 
 
 @dataclass(kw_only=True)

@@ -35,7 +35,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
-}
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}  # a "llama" file with {arch}.expert_count > 0 is Mixtral (llama.cpp converts it as llama)
 SUPPORTED_GGUF_ROPE = ("none", "llama3 (rope_freqs.weight)")
 
 _MAGIC = b"GGUF"
@@ -223,12 +225,38 @@ def config_from_gguf(path: str | os.PathLike):
     hf["eos_token_id"] = list(dict.fromkeys(eos))
     hf["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
     hf["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
+    hf.update(_moe_keys(key, arch, hf, tensors))
     cfg = ModelConfig.from_hf_dict(hf, {}, model_dir=str(path), source=source)
     if arch != "qwen2":  # from_hf_dict ties o_proj's bias to q/k/v's; GGUF says which exist
         cfg.o_proj_bias = "blk.0.attn_output.bias" in tensors
     cfg.name = path.stem
     cfg.sampling_defaults = defaults_from_gguf(meta)
     return cfg
+
+
+def _moe_keys(key, arch: str, hf: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The HF config keys of an MoE GGUF (llama.cpp's expert_* metadata); {} for dense files.
+    llama.cpp renormalizes the top-k weights for Mixtral and Qwen3-MoE and not for OLMoE unless
+    `expert_weights_norm` says otherwise."""
+    n = key("expert_count", 0)
+    if not n:
+        return {}
+    out: dict[str, Any] = {"num_experts_per_tok": key("expert_used_count", 2),
+                           "norm_topk_prob": bool(key("expert_weights_norm", arch != "olmoe"))}
+    if arch == "llama":
+        out.update(architectures=["MixtralForCausalLM"], num_local_experts=n)
+    else:
+        out["num_experts"] = n
+    if arch == "qwen3moe":
+        out["moe_intermediate_size"] = key("expert_feed_forward_length", hf["intermediate_size"])
+        # no metadata for Qwen3-MoE's dense layers (mlp_only_layers): a layer without expert
+        # tensors but with a dense MLP is one
+        out["mlp_only_layers"] = [i for i in range(hf["num_hidden_layers"])
+                                  if f"blk.{i}.ffn_gate_exps.weight" not in tensors and f"blk.{i}.ffn_gate.weight" in tensors]
+    clamp = key("attention.clamp_kqv")
+    if clamp:
+        out["clip_qkv"] = float(clamp)
+    return out
 
 
 def _uniform(value: Any, name: str, source: str) -> int:

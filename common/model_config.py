@@ -27,7 +27,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # mixture-of-experts families (services/worker/model/moe.py)
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+MOE_FAMILIES = ("mixtral", "qwen3moe", "olmoe")
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -60,6 +65,14 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_dir: str = ""
     name: str = ""
+    # mixture of experts (0 experts = dense); see moe_fields() for each family's keys
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP in an MoE model
+    qk_norm_full: bool = False  # OLMoE: RMSNorm over the whole q / k projection (not per head)
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     # what generation_config.json (or a GGUF's general.sampling.*) sets for fields a request leaves
     # unset, as read (resolve_sampling_defaults checks them where they are used)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -67,8 +80,15 @@ class ModelConfig:
     # ------------------------------------------------------------------ derived
     @property
     def family(self) -> str:
-        """"llama" (Llama, Mistral), "qwen2" or "qwen3"."""
+        """"llama" (Llama, Mistral), "qwen2", "qwen3"; MoE: "mixtral", "qwen3moe", "olmoe"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, idx: int) -> bool:
+        return self.is_moe and idx not in self.dense_layers
 
     @property
     def rope_type(self) -> str:
@@ -82,15 +102,19 @@ class ModelConfig:
         """Parameter count of the full (unsharded) model."""
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.o_proj_bias:
             per_layer += h
         if self.qk_norm:
             per_layer += 2 * d
+        if self.qk_norm_full:
+            per_layer += q + kv
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router row each
+        mlps = sum(moe if self.is_moe_layer(j) else 3 * h * i for j in range(self.num_layers))
+        return self.num_layers * per_layer + mlps + emb + h
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -203,9 +227,11 @@ class ModelConfig:
         else:  # Llama, Qwen3: `attention_bias` covers q, k, v and o
             attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
 
+        moe = moe_fields(hf, family, intermediate, num_layers, source)
+
         # sliding-window attention is not implemented: report it so callers can cap the length
         sliding_window = hf.get("sliding_window")
-        if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3", "qwen3moe", "olmoe") and not hf.get("use_sliding_window", False):
             sliding_window = None
 
         eos = _merge_ids(hf.get("eos_token_id"), generation.get("eos_token_id"), source=source)
@@ -238,7 +264,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             sliding_window=None if sliding_window is None else int(sliding_window),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3moe"),
             max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
             torch_dtype=dtype,
             eos_token_ids=eos,
@@ -247,7 +273,49 @@ class ModelConfig:
             model_dir=str(model_dir),
             name=name,
             sampling_defaults=defaults_from_generation_config(generation),
+            **moe,
         )
+
+
+def moe_fields(hf: dict[str, Any], family: str, intermediate: int, num_layers: int,
+               source: str) -> dict[str, Any]:
+    """The ModelConfig MoE fields from an HF config dict (empty for dense families), with each
+    family's defaults as its transformers config class has them."""
+    if family not in MOE_FAMILIES:
+        return {}
+    # transformers 5 maps num_experts <-> num_local_experts per family and may write either
+    keys = ("num_local_experts", "num_experts") if family == "mixtral" else ("num_experts", "num_local_experts")
+    experts_key = next((k for k in keys if hf.get(k) is not None), keys[0])
+
+    def pos_int(key: str, default: int | None) -> int:
+        v = hf.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ModelLoadError(f"{source}: key {key!r} must be a positive integer, got {v!r}")
+        return v
+
+    n = pos_int(experts_key, None)
+    k = pos_int("num_experts_per_tok", 2 if family == "mixtral" else 8)
+    if k > n:
+        raise ModelLoadError(f"{source}: num_experts_per_tok {k} exceeds {experts_key} {n}")
+    out: dict[str, Any] = {"num_experts": n, "num_experts_per_tok": k, "moe_intermediate_size": intermediate,
+                           "norm_topk_prob": True}
+    if family in ("qwen3moe", "olmoe"):
+        out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", False))
+    if family == "qwen3moe":
+        out["moe_intermediate_size"] = pos_int("moe_intermediate_size", 768)
+        step = pos_int("decoder_sparse_step", 1)
+        only = hf.get("mlp_only_layers") or []
+        if not isinstance(only, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in only):
+            raise ModelLoadError(f"{source}: key 'mlp_only_layers' must be a list of layer indices, got {only!r}")
+        # as Qwen3MoeDecoderLayer decides: sparse unless listed, and only every `step`-th layer
+        out["dense_layers"] = [i for i in range(num_layers) if i in only or (i + 1) % step != 0]
+    if family == "olmoe":
+        out["qk_norm_full"] = True
+        clip = hf.get("clip_qkv")
+        out["clip_qkv"] = None if clip is None else float(clip)
+    if family in ("mixtral", "olmoe") and hf.get("shared_expert_intermediate_size"):
+        raise ModelLoadError(f"{source}: key 'shared_expert_intermediate_size' (shared experts) is not supported")
+    return out
 
 
 def resolve_sampling_defaults(cfg: ModelConfig, choice: str | None) -> dict[str, Any]:

@@ -130,3 +130,6 @@ def paged_attention(
         return cpu_native.paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, scale)
 
     return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, decode=decode)
+
+
+from kernels.moe import fused_moe  # noqa: E402,F401 (per active expert: torch GEMMs)

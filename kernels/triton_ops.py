@@ -24,6 +24,7 @@ from kernels import AttentionMetadata
 
 __all__ = [
     "fused_add_rms_norm",
+    "fused_moe",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -308,3 +309,6 @@ def paged_attention_impl(
         num_warps=4 if bm <= 64 else 8, num_stages=2,
     )
     return out
+
+
+from kernels.moe import fused_moe_triton as fused_moe  # noqa: E402,F401 (grouped GEMM: kernels/moe.py)

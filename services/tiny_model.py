@@ -35,6 +35,19 @@ ARCHS = {
     "mistral": ("MistralForCausalLM", "MistralConfig"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
+}
+
+# MoE archs: config keys on top of the size's (8 experts, top-2; the MLP width per expert). The
+# Qwen3-MoE model keeps its last layer dense (mlp_only_layers) and renormalizes the top-k
+# (norm_topk_prob); OLMoE does not renormalize: both code paths get tested.
+MOE_ARCH_CONFIG: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [-1]},  # -1: the last layer
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
 }
 
 # size -> (config values, tokenizer vocab to train, checkpoint dtype)
@@ -168,11 +181,19 @@ def _hf_tensor_shapes(cfg: dict[str, Any], arch: str) -> list[tuple[str, tuple[i
                     (f"{p}.self_attn.v_proj.bias", (nkv * d,), "bias")]
         if arch in ("llama", "qwen3") and cfg.get("attention_bias"):
             out.append((f"{p}.self_attn.o_proj.bias", (h,), "bias"))
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             out += [(f"{p}.self_attn.q_norm.weight", (d,), "norm"),
                     (f"{p}.self_attn.k_norm.weight", (d,), "norm")]
         out += [
             (f"{p}.post_attention_layernorm.weight", (h,), "norm"),
+        ]
+        if arch == "olmoe":  # q/k norms over the whole projection
+            out += [(f"{p}.self_attn.q_norm.weight", (nq * d,), "norm"),
+                    (f"{p}.self_attn.k_norm.weight", (nkv * d,), "norm")]
+        if arch in MOE_ARCH_CONFIG and i not in cfg.get("mlp_only_layers", []):
+            out += _moe_tensor_shapes(cfg, arch, p)
+            continue
+        out += [
             (f"{p}.mlp.gate_proj.weight", (inter, h), "linear"),
             (f"{p}.mlp.up_proj.weight", (inter, h), "linear"),
             (f"{p}.mlp.down_proj.weight", (h, inter), "linear"),
@@ -180,6 +201,21 @@ def _hf_tensor_shapes(cfg: dict[str, Any], arch: str) -> list[tuple[str, tuple[i
     out.append(("model.norm.weight", (h,), "norm"))
     if not cfg.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (v, h), "embed"))
+    return out
+
+
+def _moe_tensor_shapes(cfg: dict[str, Any], arch: str, p: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """Router + per-expert tensors, named as transformers' save_pretrained writes them."""
+    h = cfg["hidden_size"]
+    n = cfg["num_local_experts"] if arch == "mixtral" else cfg["num_experts"]
+    inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"]) if arch == "qwen3moe" else cfg["intermediate_size"]
+    m = f"{p}.block_sparse_moe" if arch == "mixtral" else f"{p}.mlp"
+    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    out = [(f"{m}.gate.weight", (n, h), "linear")]
+    for e in range(n):
+        out += [(f"{m}.experts.{e}.{names[0]}.weight", (inter, h), "linear"),
+                (f"{m}.experts.{e}.{names[1]}.weight", (inter, h), "linear"),
+                (f"{m}.experts.{e}.{names[2]}.weight", (h, inter), "linear")]
     return out
 
 
@@ -242,13 +278,17 @@ def tiny_config(arch: str = "llama", size: str = "tiny", **overrides: Any) -> di
     cfg.update(
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        tie_word_embeddings=arch == "qwen3",
+        tie_word_embeddings=arch in ("qwen3", "qwen3moe"),
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         torch_dtype=dtype,
     )
-    if arch in ("qwen2", "qwen3"):
+    if arch in MOE_ARCH_CONFIG:
+        cfg.update(MOE_ARCH_CONFIG[arch])
+        if arch == "qwen3moe":  # -1: the last layer, as a real index
+            cfg["mlp_only_layers"] = [i % cfg["num_hidden_layers"] for i in cfg["mlp_only_layers"]]
+    if arch in ("qwen2", "qwen3", "qwen3moe"):
         cfg.update(sliding_window=None, use_sliding_window=False)
     elif arch == "mistral":
         cfg.update(sliding_window=None)

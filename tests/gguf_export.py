@@ -32,7 +32,13 @@ LAYER_MAP = {
 TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}
+             "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe",
+             "OlmoeForCausalLM": "olmoe"}
+# MoE: per-expert HF tensors -> llama.cpp's stacked [E, rows, cols] tensors; routers stay F32
+# (llama-quantize never quantizes ffn_gate_inp)
+EXPERT_MAP = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+              "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+ROUTER_MAP = {"mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
 # offsets of the fp16 scale fields inside one block (gguf/quants.py dequantize_blocks)
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -89,7 +95,12 @@ def write_gguf(path: str | Path, arch: str, hp: dict[str, Any], tensors: dict[st
     w.add_rope_freq_base(hp.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-6))
     for key, value in hp.get("extra", {}).items():
-        w.add_string(key, value) if isinstance(value, str) else w.add_float32(key, value)
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_string(key, value) if isinstance(value, str) else w.add_float32(key, value)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(tokenizer["pre"])
@@ -144,6 +155,29 @@ def llama3_rope_freqs(rot_dim: int, theta: float, rope: dict[str, Any]) -> np.nd
     return np.array(out, dtype=np.float32)
 
 
+def _stack_experts(weights: dict[str, np.ndarray], tensors: dict, qtype: str, rng) -> dict[str, np.ndarray]:
+    """Move every MoE tensor from `weights` into `tensors` under llama.cpp's names (experts
+    stacked, in `qtype`; routers F32); returns the other weights."""
+    rest, stacks = {}, {}
+    for hf_name, w in weights.items():
+        _, _, idx, tail = hf_name.split(".", 3) if hf_name.startswith("model.layers.") else ("", "", "", hf_name)
+        if tail in ROUTER_MAP:
+            tensors[f"blk.{idx}.{ROUTER_MAP[tail]}"] = (w.astype(np.float32), "F32")
+        elif ".experts." in tail:
+            e, proj, _ = tail.split(".experts.")[1].split(".")  # "<e>.<proj>.weight"
+            stacks.setdefault(f"blk.{idx}.{EXPERT_MAP[proj]}.weight", {})[int(e)] = w.astype(np.float32)
+        else:
+            rest[hf_name] = w
+    for name, per in stacks.items():
+        w = np.stack([per[e] for e in range(len(per))])
+        if qtype == "F32":
+            tensors[name] = (w, "F32")
+        else:
+            enc = encode_tensor(w.reshape(-1, w.shape[-1]), qtype, rng)
+            tensors[name] = (enc.reshape(w.shape[0], w.shape[1], -1), qtype)
+    return rest
+
+
 def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32",
                   seed: int = 0) -> Path:
     """Convert a (tiny) HF model directory to GGUF as llama.cpp would: F32 norms/biases, 2-D
@@ -160,6 +194,7 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         weights.update(load_file(str(f)))
     rng = np.random.default_rng(seed)
     tensors: dict[str, tuple[np.ndarray, str]] = {}
+    weights = _stack_experts(weights, tensors, qtype, rng)
     for hf_name, w in weights.items():
         w = w.astype(np.float32)
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
@@ -174,5 +209,10 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
           "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
           "head_count": heads, "head_count_kv": kv, "head_dim": head_dim, "rope_theta": theta,
           "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6)}
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if n_exp:
+        hp["extra"] = {f"{arch}.expert_count": n_exp, f"{arch}.expert_used_count": cfg["num_experts_per_tok"]}
+        if arch == "qwen3moe":
+            hp["extra"][f"{arch}.expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     tok = tokenizer_fields(model_dir, "qwen2" if arch.startswith("qwen") else "gpt-2", add_bos=arch == "llama")
     return write_gguf(out_path, arch, hp, tensors, tok)

@@ -22,7 +22,8 @@ TEXTS = ["Hello world, the café is open. 日本語 🤖", "12345 apples\n\n  an
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral",
+                                  "mixtral", "qwen3moe", "olmoe"])
 def test_hf_loads_model_and_tokenizer(arch):
     from transformers import AutoTokenizer
 

@@ -50,7 +50,8 @@ class ModelRunner:
         # quantization: None/"auto" | "none" | "int8" | "int4" (services/worker/model/quantize.py)
         self.model = load_model(model_cfg, self.device, self.dtype, self.ops, tp_rank=tp_rank,
                                 tp_size=tp_size, tp_group=tp_group,
-                                quantization=getattr(args, "quantization", None))
+                                quantization=getattr(args, "quantization", None),
+                                expert_parallel=getattr(args, "enable_expert_parallel", False))
         self.block_size = args.block_size
         self.num_blocks = self._kv_capacity()
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)

@@ -29,14 +29,15 @@ INITS = ("random", "empty", "none")
 
 
 def build_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int = 0, tp_size: int = 1,
-                tp_group=None, init: str = "random", seed: int = 0) -> CausalLM:
+                tp_group=None, init: str = "random", seed: int = 0, expert_parallel: bool = False) -> CausalLM:
     """Build the model for this shard without reading any weight file.
 
     init="random": deterministic N(0, 0.02) linears/embeddings and unit norms (seeded per rank);
     init="empty"/"none": uninitialized memory (the loader fills it)."""
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    model = CausalLM(cfg, device, dtype, ops, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+    model = CausalLM(cfg, device, dtype, ops, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+                     expert_parallel=expert_parallel)
     model.eval()
     if init == "random":
         _random_init(model, seed * 1009 + tp_rank)
@@ -63,7 +64,7 @@ def _random_init(model: CausalLM, seed: int) -> None:
 
 
 def load_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int = 0, tp_size: int = 1,
-               tp_group=None, quantization: str | None = None) -> CausalLM:
+               tp_group=None, quantization: str | None = None, expert_parallel: bool = False) -> CausalLM:
     """Build this shard's model and fill it from `cfg.model_dir`: safetensors files, or a .gguf file.
 
     quantization: None/"auto" (GGUF: packed where a kernel exists), "none", "int8" or "int4"."""
@@ -71,7 +72,8 @@ def load_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int =
         raise ModelLoadError("ModelConfig has no model_dir to load weights from (use build_model for random weights)")
     quantization = resolve_quantization(quantization)
     kind, path = resolve_model_path(cfg.model_dir)
-    model = build_model(cfg, device, dtype, ops, tp_rank, tp_size, tp_group, init="empty")
+    model = build_model(cfg, device, dtype, ops, tp_rank, tp_size, tp_group, init="empty",
+                        expert_parallel=expert_parallel)
     if kind == "gguf":  # imported here: only GGUF models need the gguf package
         from services.worker.model.gguf_loader import load_gguf_weights
 

@@ -75,8 +75,8 @@ class CpuDecodeStep:
         from kernels import cpu_ops
 
         if (_turned_off() or model.ops is not cpu_ops or model.device.type != "cpu" or model.dtype != torch.float32
-                or model.tp.size != 1):
-            return None
+                or model.tp.size != 1 or model.cfg.is_moe or model.cfg.qk_norm_full):
+            return None  # MoE blocks and whole-projection q/k norms: the Python layers only
         for layer in model.layers:
             mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if any(m.qweight is None or (m.bias is not None and m.bias.dtype != torch.float32) for m in mods):

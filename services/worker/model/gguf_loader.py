@@ -59,7 +59,15 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # MoE routers (Mixtral's block is `block_sparse_moe`); experts: _EXPERT_RE below
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
+# llama.cpp stacks each layer's experts into one 3-D tensor per projection [E, rows, cols]
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -75,7 +83,18 @@ def gguf_name(hf_name: str) -> str:
     m = _LAYER_RE.fullmatch(hf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    ex = expert_gguf_name(hf_name)
+    if ex is not None:
+        return ex[0]
     raise KeyError(f"no GGUF name for checkpoint tensor {hf_name!r}")
+
+
+def expert_gguf_name(hf_name: str) -> tuple[str, int] | None:
+    """(stacked GGUF tensor, expert index) for one expert's HF weight, else None."""
+    m = _EXPERT_RE.fullmatch(hf_name)
+    if m is None:
+        return None
+    return f"blk.{m.group(1)}.{_EXPERT_NAMES[m.group(3)]}.weight", int(m.group(2))
 
 
 def unpermute_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -176,24 +195,34 @@ def plan_gguf_pieces(model, gf: GGUFFile) -> list[_Piece]:
     missing_params = sorted(set(params) - set(sources))
     if missing_params:  # a bug in the model code, not in the file
         raise RuntimeError(f"no checkpoint source for parameters {missing_params}")
-    permute = model.cfg.family == "llama"  # llama.cpp permutes q/k only for its llama arch
+    permute = model.cfg.family in ("llama", "mixtral")  # llama.cpp permutes q/k only for its llama arch
     pieces = []
     for pname, srcs in sources.items():
         for src in srcs:
             name = gguf_name(src.hf_name)
             t = tensors.get(name)
+            expert = expert_gguf_name(src.hf_name)
+            if t is None and expert is not None:  # llama.cpp before 2024-04: one 2-D tensor per expert
+                legacy = name.replace("_exps.weight", f".{expert[1]}.weight")
+                if legacy in tensors:
+                    name, t, expert = legacy, tensors[legacy], None
             if t is None:
                 raise ModelLoadError(
                     f"{path.name} is missing tensor {name!r} (for {src.hf_name}, needed by {model.cfg.architecture})"
                 )
-            if t.shape != tuple(src.full_shape):
+            want = tuple(src.full_shape) if expert is None else (model.cfg.num_experts, *src.full_shape)
+            if t.shape != want:
                 raise ModelLoadError(
                     f"tensor {name!r} in {path.name} has shape {list(t.shape)}, expected "
-                    f"{list(src.full_shape)} from the file's metadata"
+                    f"{list(want)} from the file's metadata"
                 )
             type_name = _check_type(t, path)
             qk = permute and (".attn_q." in name or ".attn_k." in name)
-            pieces.append(_Piece(pname, src, gf.raw_rows(t), type_name, model.cfg.head_dim if qk else None))
+            raw = gf.raw_rows(t)
+            if expert is not None:  # this expert's rows of the stack: a 2-D weight like any other
+                n = src.full_shape[0]
+                raw = raw[expert[1] * n:(expert[1] + 1) * n]
+            pieces.append(_Piece(pname, src, raw, type_name, model.cfg.head_dim if qk else None))
     return pieces
 
 

@@ -75,6 +75,9 @@ class WeightSource:
     src_start: int = 0
     src_len: int | None = None  # None = the whole dim
     dst_start: int = 0  # offset along the param's dim `src_dim` where this piece goes
+    # fused MoE tensors [E, rows, cols]: read expert `expert` of dim 0 first (src_dim counts the
+    # 3-D tensor's dims; the 2-D param's dim is src_dim - 1)
+    expert: int | None = None
 
 
 # --------------------------------------------------------------------------- quantized weights

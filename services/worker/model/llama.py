@@ -2,7 +2,9 @@
 
 One flat batch per forward: `input_ids[T]`, `positions[T]` and the paged-KV metadata describe
 prefill chunks and decode tokens of many requests mixed; nothing here loops over requests.
-The differences between the families are three switches read from ModelConfig:
+Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) swap the MLP of their sparse layers
+for services/worker/model/moe.py's block; OLMoE norms q/k over the whole projection.
+The differences between the dense families are three switches read from ModelConfig:
 `attention_bias` (Qwen2 q/k/v bias), `qk_norm` (Qwen3 per-head RMSNorm before RoPE) and
 `tie_word_embeddings`.
 """
@@ -25,6 +27,7 @@ from services.worker.model.layers import (
     WeightSource,
     divide,
 )
+from services.worker.model.moe import ShardedRMSNorm, SparseMoeBlock, moe_prefix
 
 
 class Attention(nn.Module):
@@ -48,6 +51,11 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, device, dtype,
                                         what="o_proj input (num_attention_heads*head_dim)", bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
+        self.qk_norm_full = cfg.qk_norm_full  # OLMoE: over the whole projection (all heads of all shards)
+        self.clip_qkv = cfg.clip_qkv
+        if cfg.qk_norm_full:
+            self.q_norm = ShardedRMSNorm(self.q_size, cfg.num_heads * d, cfg.rms_norm_eps, tp, device, dtype)
+            self.k_norm = ShardedRMSNorm(self.kv_size, cfg.num_kv_heads * d, cfg.rms_norm_eps, tp, device, dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype)
@@ -56,7 +64,11 @@ class Attention(nn.Module):
     def forward(self, positions, hidden, kv_cache, meta):
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_norm:
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim))
@@ -80,7 +92,7 @@ class Attention(nn.Module):
             out["qkv_proj.bias"] = self.qkv_proj.sources([n + ".bias" for n in names], "bias")
         if self.o_proj.bias is not None:
             out["o_proj.bias"] = self.o_proj.bias_sources(f"{p}.o_proj.bias")
-        if self.qk_norm:
+        if self.qk_norm or self.qk_norm_full:
             out["q_norm.weight"] = self.q_norm.sources(f"{p}.q_norm.weight")
             out["k_norm.weight"] = self.k_norm.sources(f"{p}.k_norm.weight")
         return out
@@ -108,14 +120,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, tp: TPInfo, ops, rotary, device, dtype):
+    def __init__(self, cfg: ModelConfig, idx: int, tp: TPInfo, ops, rotary, device, dtype,
+                 expert_parallel: bool = False):
         super().__init__()
         prefix = f"model.layers.{idx}"
         self.prefix = prefix
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, device, dtype)
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, ops, rotary, device, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, device, dtype)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", tp, ops, device, dtype)
+        if cfg.is_moe_layer(idx):  # mixture of experts: services/worker/model/moe.py
+            self.mlp = SparseMoeBlock(cfg, moe_prefix(cfg, prefix), tp, ops, device, dtype, expert_parallel)
+        else:
+            self.mlp = MLP(cfg, f"{prefix}.mlp", tp, ops, device, dtype)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         # pre-norm block with the residual add fused into the next norm
@@ -143,7 +159,7 @@ class CausalLM(nn.Module):
     """Decoder-only LM over a paged KV cache; see the package docstring for the interface."""
 
     def __init__(self, cfg: ModelConfig, device, dtype: torch.dtype, ops,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, expert_parallel: bool = False):
         super().__init__()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
@@ -166,7 +182,8 @@ class CausalLM(nn.Module):
                                       cfg.rope_scaling, ops, self.device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.tp, ops, self.rotary, self.device, dtype) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, self.tp, ops, self.rotary, self.device, dtype, expert_parallel)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, self.device, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype,

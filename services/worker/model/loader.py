@@ -69,6 +69,10 @@ def load_weights(model, model_dir: str | Path, quantization: str | None = None) 
     quantization = Q.resolve_quantization(quantization)
     targets = Q.int_targets(model, quantization)
     files = weight_files(model_dir)
+    if model.cfg.is_moe:  # experts per expert (save_pretrained) or fused 3-D (transformers' modules)
+        from services.worker.model.moe import use_fused_experts
+
+        use_fused_experts(model, files)
     params = dict(model.named_parameters())
     sources = model.weight_sources()
     missing_params = sorted(set(params) - set(sources))
@@ -109,8 +113,11 @@ def load_weights(model, model_dir: str | Path, quantization: str | None = None) 
                         f"expected {list(src.full_shape)} from config.json"
                     )
                 idx, length = _slice_index(src, len(shape))
+                dim = src.src_dim
+                if src.expert is not None:  # one expert of a fused [E, rows, cols] tensor
+                    idx, dim = (src.expert, *idx[1:]), dim - 1
                 if length:  # 0: a shard made only of vocab padding
-                    dst = param.data.narrow(src.src_dim, src.dst_start, length)
+                    dst = param.data.narrow(dim, src.dst_start, length)
                     dst.copy_(sl[idx].to(dtype=param.dtype))
                 done(pname)
     # vocab padding rows (and anything the sources did not cover along the split dim) are zero
