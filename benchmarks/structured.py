@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a path")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=2, help="pairs of (constrained, free) phases, in alternating order")
     a = ap.parse_args()
     from services.launcher import stop_children
     from services.tiny_model import default_model_dir, installed_real_model
@@ -143,10 +145,12 @@ def main() -> None:
                 valid += 1
             except ValueError:
                 pass
-        rows = [("constrained", sum(lengths), wall)]
-        for label in ("free", "free", "constrained"):
-            o2, w2 = asyncio.run(run_phase(address, a.concurrency, label == "constrained", lengths, a.max_tokens))
-            rows.append((label, sum(len(o.outputs[0].token_ids) for o in o2), w2))
+        print(f"  first constrained phase (sets the lengths, not counted): {sum(lengths)} tokens in {wall:.2f} s")
+        rows = []  # rounds of (free, constrained) then (constrained, free): ABBA against drift
+        for r in range(a.rounds):
+            for label in (("free", "constrained") if r % 2 == 0 else ("constrained", "free")):
+                o2, w2 = asyncio.run(run_phase(address, a.concurrency, label == "constrained", lengths, a.max_tokens))
+                rows.append((label, sum(len(o.outputs[0].token_ids) for o in o2), w2))
         print(f"valid JSON {valid}/{len(outs)}; output tokens per phase {sum(lengths)} "
               f"(mean {sum(lengths) / len(lengths):.1f} per request)")
         for label, toks, w in rows:
@@ -155,6 +159,10 @@ def main() -> None:
                 for k in ("constrained", "free")}
         print(f"constrained / free throughput: {tput['constrained'] / tput['free']:.3f} "
               f"({tput['constrained']:.1f} vs {tput['free']:.1f} tok/s)")
+        pairs = [rows[i][2] / rows[i + 1][2] if rows[i][0] == "free" else rows[i + 1][2] / rows[i][2]
+                 for i in range(0, len(rows), 2)]
+        print("per adjacent pair (free time / constrained time):", " ".join(f"{p:.3f}" for p in pairs),
+              f"median {statistics.median(pairs):.3f}")
         print("example:", outs[0].outputs[0].text[:300])
     finally:
         stop_children(children)

@@ -206,6 +206,7 @@ def _bind_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("zs_rope_f32", [P, P, I64, I64, I, P, I64, I64, I, I, P, I, I64, P, P, I, I]),
         ("zs_silu_and_mul_f32", [P, I64, P, I64, I, I, I]),
         ("zs_write_kv_f32", [P, I64, I64, P, I64, I64, P, P, P, I64, I, I, I]),
+        ("zs_apply_token_bitmask_f32", [P, I64, P, P, I64, I, I, P, I]),
     ):
         f = getattr(lib, name)
         f.restype, f.argtypes = I, args

@@ -121,7 +121,7 @@ def test_params_with_a_constraint_survive_the_wire():
 
 
 def test_bitmask_unpacks_to_exactly_the_allowed_tokens():
-    from services.worker.sampler import unpack_bitmask
+    from kernels.token_bitmask import unpack_bitmask
 
     rng = np.random.default_rng(0)
     allowed = rng.random((3, 70)) < 0.3

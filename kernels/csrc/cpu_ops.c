@@ -130,3 +130,32 @@ int zs_write_kv_f32(const float *k, int64_t k_ld, int64_t k_hs, const float *v, 
     }
     return 0;
 }
+
+/* Structured outputs: row rows[i] of x ([*, V], rows ld apart) keeps token t where bit t % 32
+ * of mask[i * mask_ld + t / 32] is set and becomes -inf elsewhere, in place. dead[i] = 1 when
+ * no allowed token is left above -inf (the caller then falls back). One pass, no allocation
+ * (the torch twin unpacks the bits and selects: several passes over [R, V]). */
+int zs_apply_token_bitmask_f32(float *x, int64_t ld, const int64_t *rows, const int32_t *mask, int64_t mask_ld,
+                               int R, int V, uint8_t *dead, int threads) {
+    if (R < 0 || V < 0) return -1;
+    const int W = (V + 31) / 32;
+    const int nt = (int64_t)R * V >= PAR_MIN && threads > 1 ? threads : 1;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int i = 0; i < R; i++) {
+        float *row = x + rows[i] * ld;
+        const uint32_t *m = (const uint32_t *)(mask + i * mask_ld);
+        int alive = 0;
+        for (int w = 0; w < W; w++) {
+            const uint32_t bits = m[w];
+            const int base = w * 32, n = V - base < 32 ? V - base : 32;
+            for (int j = 0; j < n; j++) {
+                if ((bits >> j) & 1u)
+                    alive |= row[base + j] > -INFINITY;
+                else
+                    row[base + j] = -INFINITY;
+            }
+        }
+        dead[i] = (uint8_t)!alive;
+    }
+    return 0;
+}
