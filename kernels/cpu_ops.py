@@ -64,6 +64,9 @@ def fused_add_rms_norm(
     return out, new_res
 
 
+gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # GeGLU (Gemma): the twin; no compiled kernel
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     lib = _ops(x)
     if lib is None or not _rows(x) or x.shape[1] % 2:
@@ -121,12 +124,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``torch_ops.paged_attention``."""
-    if not cpu_native.supports(q, k_cache):
-        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    """Same contract as ``torch_ops.paged_attention``. Soft-capped attention runs the torch twin
+    (the compiled decode kernel has no cap)."""
+    if not cpu_native.supports(q, k_cache) or softcap is not None:
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale,
+                                         sliding_window=sliding_window, softcap=softcap)
 
     def decode(q_rows, block_tables, seq_lens):
-        return cpu_native.paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, scale)
+        return cpu_native.paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       sliding_window=sliding_window)
 
-    return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, decode=decode)
+    return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, decode=decode,
+                                     sliding_window=sliding_window)

@@ -24,6 +24,7 @@ from kernels import AttentionMetadata
 
 __all__ = [
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -85,6 +86,13 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _rms(x, residual, weight, eps)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): the torch twin on the tensor's device (no Triton kernel yet)."""
+    from kernels import torch_ops
+
+    return torch_ops.gelu_tanh_and_mul(x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +203,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
+    if sliding_window is not None or softcap is not None:
+        # the Triton kernels have neither a window nor a cap: the torch twin (which runs on any
+        # device) computes these layers, never the full-context kernel
+        from kernels import torch_ops
+
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale,
+                                         sliding_window=sliding_window, softcap=softcap)
     return paged_attention_impl(q, k_cache, v_cache, meta, scale)
 
 
