@@ -35,6 +35,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 SUPPORTED_GGUF_ROPE = ("none", "llama3 (rope_freqs.weight)")
 
@@ -218,6 +220,7 @@ def config_from_gguf(path: str | os.PathLike):
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": _compute_dtype(tensors),
     }
+    hf.update(_family_keys(arch, key, hidden, heads, head_dim, source))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     hf["eos_token_id"] = list(dict.fromkeys(eos))
@@ -226,9 +229,31 @@ def config_from_gguf(path: str | os.PathLike):
     cfg = ModelConfig.from_hf_dict(hf, {}, model_dir=str(path), source=source)
     if arch != "qwen2":  # from_hf_dict ties o_proj's bias to q/k/v's; GGUF says which exist
         cfg.o_proj_bias = "blk.0.attn_output.bias" in tensors
+    if arch == "gemma2":
+        cfg.norm_weight_offset = 0.0  # llama.cpp's converter stores Gemma's norm weights with the +1 added
     cfg.name = path.stem
     cfg.sampling_defaults = defaults_from_gguf(meta)
     return cfg
+
+
+def _family_keys(arch: str, key, hidden: int, heads: int, head_dim: int, source: str) -> dict[str, Any]:
+    """HF config keys of the dense families that GGUF spells as `<arch>.*` metadata."""
+    if arch != "gemma2":
+        return {}
+    window = key("attention.sliding_window")
+    if not window:
+        raise ModelLoadError(f"{source}: missing metadata key 'gemma2.attention.sliding_window'")
+    n_layers = key("block_count", required=True)
+    return {
+        "sliding_window": int(window),
+        # llama.cpp: every other layer slides (layer 0 first), as HF's default layer_types
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        # GGUF has no query_pre_attn_scalar; llama.cpp scales by 1/sqrt(head_dim), except the
+        # 27B (46 layers), where it is hidden / heads, which is what its HF config says too
+        "query_pre_attn_scalar": hidden // heads if n_layers == 46 else head_dim,
+    }
 
 
 def _uniform(value: Any, name: str, source: str) -> int:

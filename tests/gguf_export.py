@@ -32,18 +32,24 @@ LAYER_MAP = {
 TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}
+             "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Olmo2ForCausalLM": "olmo2"}
+# llama.cpp's names for the norms of the families with output norms (gguf.MODEL_TENSORS)
+POST_NORM_MAP = dict(LAYER_MAP, **{
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+})
 # offsets of the fp16 scale fields inside one block (gguf/quants.py dequantize_blocks)
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
 
-def to_gguf_name(hf_name: str) -> str:
+def to_gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in TOP_MAP:
         return TOP_MAP[hf_name]
     _, _, idx, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{idx}.{LAYER_MAP[rest]}"
+    return f"blk.{idx}.{(POST_NORM_MAP if arch in ('gemma2', 'olmo2') else LAYER_MAP)[rest]}"
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -89,7 +95,12 @@ def write_gguf(path: str | Path, arch: str, hp: dict[str, Any], tensors: dict[st
     w.add_rope_freq_base(hp.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-6))
     for key, value in hp.get("extra", {}).items():
-        w.add_string(key, value) if isinstance(value, str) else w.add_float32(key, value)
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_float32(key, value)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(tokenizer["pre"])
@@ -164,8 +175,10 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         w = w.astype(np.float32)
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             w = llamacpp_permute(w, heads if ".q_proj." in hf_name else kv)
+        if arch == "gemma2" and hf_name.endswith("norm.weight"):
+            w = w + 1  # convert_hf_to_gguf Gemma2Model: norms stored as (1 + w)
         t = qtype if w.ndim == 2 else "F32"
-        tensors[to_gguf_name(hf_name)] = (w if t == "F32" else encode_tensor(w, t, rng), t)
+        tensors[to_gguf_name(hf_name, arch)] = (w if t == "F32" else encode_tensor(w, t, rng), t)
     theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     rope = cfg.get("rope_scaling") or {}
     if (rope.get("rope_type") or rope.get("type")) == "llama3":
@@ -174,5 +187,9 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
           "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
           "head_count": heads, "head_count_kv": kv, "head_dim": head_dim, "rope_theta": theta,
           "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6)}
+    if arch == "gemma2":  # convert_hf_to_gguf Gemma2Model's keys (no query_pre_attn_scalar: see gguf_config)
+        hp["extra"] = {"gemma2.attention.sliding_window": int(cfg["sliding_window"]),
+                       "gemma2.attn_logit_softcapping": float(cfg["attn_logit_softcapping"]),
+                       "gemma2.final_logit_softcapping": float(cfg["final_logit_softcapping"])}
     tok = tokenizer_fields(model_dir, "qwen2" if arch.startswith("qwen") else "gpt-2", add_bos=arch == "llama")
     return write_gguf(out_path, arch, hp, tensors, tok)

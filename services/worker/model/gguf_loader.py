@@ -66,15 +66,24 @@ _TOP_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# families whose layers normalize block outputs (Gemma 2, OLMo 2): llama.cpp calls their norms
+# post_attention_norm / ffn_norm (the pre-MLP norm) / post_ffw_norm
+_POST_NORM_NAMES = dict(_LAYER_NAMES, **{
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+})
 
 
-def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name llama.cpp's converter gives an HF checkpoint tensor."""
+def gguf_name(hf_name: str, post_norm: bool = False) -> str:
+    """The GGUF tensor name llama.cpp's converter gives an HF checkpoint tensor
+    (`post_norm`: the model has Gemma 2 / OLMo 2 style output norms)."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
+    names = _POST_NORM_NAMES if post_norm else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"blk.{m.group(1)}.{names[m.group(2)]}"
     raise KeyError(f"no GGUF name for checkpoint tensor {hf_name!r}")
 
 
@@ -177,10 +186,11 @@ def plan_gguf_pieces(model, gf: GGUFFile) -> list[_Piece]:
     if missing_params:  # a bug in the model code, not in the file
         raise RuntimeError(f"no checkpoint source for parameters {missing_params}")
     permute = model.cfg.family == "llama"  # llama.cpp permutes q/k only for its llama arch
+    post_norm = model.cfg.norm_layout != "pre"
     pieces = []
     for pname, srcs in sources.items():
         for src in srcs:
-            name = gguf_name(src.hf_name)
+            name = gguf_name(src.hf_name, post_norm)
             t = tensors.get(name)
             if t is None:
                 raise ModelLoadError(
@@ -207,7 +217,7 @@ def plan_packed(model, pieces: list[_Piece]) -> dict[str, list[_Piece]]:
     for pname, mod in model.quantizable().items():
         ps = by_param.get(pname, [])
         types = sorted({p.type_name for p in ps})
-        names = [gguf_name(p.src.hf_name) for p in ps]
+        names = [gguf_name(p.src.hf_name, model.cfg.norm_layout != "pre") for p in ps]
         if not ps or any(t not in Q.PACKED_GGUF_TYPES for t in types):
             for t in types:
                 if t not in Q.PACKED_GGUF_TYPES and t not in ("F32", "F16", "BF16"):
