@@ -240,7 +240,8 @@ def random_weights(cfg: dict[str, Any], arch: str, seed: int, dtype, shapes=None
         if name == "model.embed_tokens.weight":
             t = torch.randn(shape, generator=gen) * embed_std
         elif name == "lm_head.weight":
-            t = torch.randn(shape, generator=gen) * LM_HEAD_STD
+            # Granite divides the logits by logits_scaling: scale the head up to keep their spread
+            t = torch.randn(shape, generator=gen) * (LM_HEAD_STD * float(cfg.get("logits_scaling", 1.0)))
         elif kind == "linear":
             t = torch.randn(shape, generator=gen) * (LINEAR_GAIN / math.sqrt(shape[1]))
         elif kind == "bias":
