@@ -127,15 +127,15 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``torch_ops.paged_attention``. Soft-capped attention runs the torch twin
-    (the compiled decode kernel has no cap)."""
-    if not cpu_native.supports(q, k_cache) or softcap is not None:
+    """Same contract as ``torch_ops.paged_attention`` (the compiled decode kernel honours the
+    window and the soft-cap too)."""
+    if not cpu_native.supports(q, k_cache):
         return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale,
                                          sliding_window=sliding_window, softcap=softcap)
 
     def decode(q_rows, block_tables, seq_lens):
         return cpu_native.paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       sliding_window=sliding_window)
+                                       sliding_window=sliding_window, softcap=softcap)
 
     return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, decode=decode,
-                                     sliding_window=sliding_window)
+                                     sliding_window=sliding_window, softcap=softcap)

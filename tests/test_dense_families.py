@@ -170,7 +170,7 @@ def test_config_errors_name_the_key():
 
 
 @pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the CPU kernels")
-def test_cpu_paged_decode_window_matches_twin():
+def test_cpu_paged_decode_window_and_softcap_match_twin():
     from kernels import torch_ops
     from kernels import AttentionMetadata
 
@@ -182,10 +182,12 @@ def test_cpu_paged_decode_window_matches_twin():
     q = torch.randn(len(seq), hq, d, generator=g)
     meta = AttentionMetadata(torch.zeros(len(seq), dtype=torch.int64), bt, seq,
                              torch.arange(len(seq) + 1, dtype=torch.int32), 1, int(seq.max()))
-    for w in (1, 8, 20, 100):
-        got = cpu_native.paged_decode(q, kc, vc, bt, seq, 0.2, sliding_window=w)
-        ref = torch_ops.paged_attention(q, kc, vc, meta, 0.2, sliding_window=w)
+    for w, cap in ((1, None), (8, None), (20, None), (100, None), (None, 2.0), (8, 3.0)):
+        got = cpu_native.paged_decode(q * 4, kc, vc, bt, seq, 0.2, sliding_window=w, softcap=cap)
+        ref = torch_ops.paged_attention(q * 4, kc, vc, meta, 0.2, sliding_window=w, softcap=cap)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert (cpu_native.paged_decode(q * 4, kc, vc, bt, seq, 0.2, softcap=1.0)
+            - cpu_native.paged_decode(q * 4, kc, vc, bt, seq, 0.2)).abs().max() > 1e-3
     assert (cpu_native.paged_decode(q, kc, vc, bt, seq, 0.2, sliding_window=8)
             - cpu_native.paged_decode(q, kc, vc, bt, seq, 0.2)).abs().max() > 1e-3
 
