@@ -243,3 +243,18 @@ def test_triton_backend_matches_hf(arch):
         toks.append(int(rows[-1][-1].argmax()))
         rows.append(run_step(ours, kv, [("r", [toks[-1]])]))
     torch.testing.assert_close(torch.cat(rows), hf_logits(hf, toks), atol=ATOL, rtol=0)
+
+
+def test_gemma3_linear_rope_on_global_layers_matches_hf():
+    d = cached_model_dir("gemma3", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    cfg = ModelConfig.from_dir(d)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfg.rope_local_theta == 10000.0
+    _check_against_hf(d, prompt_len=20, steps=3)
+
+
+def test_qwen2_use_sliding_window_layers_match_hf():
+    """Qwen2 slides on the layers from max_window_layers on (here layer 1 only)."""
+    d = cached_model_dir("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    cfg = ModelConfig.from_dir(d)
+    assert (cfg.layer_window(0), cfg.layer_window(1)) == (None, 6)
+    _check_against_hf(d, prompt_len=17, steps=3)
