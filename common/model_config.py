@@ -123,6 +123,10 @@ class ModelConfig:
             per_layer += h
         if self.qk_norm:
             per_layer += 2 * d
+        if self.qk_norm_full:
+            per_layer += q + kv
+        if self.norm_layout == "sandwich":
+            per_layer += 2 * h  # pre- and post-norms around both blocks (OLMo 2: post only, still 2)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 

@@ -37,6 +37,8 @@ def test_family_matches_hf(arch):
     d = cached_model_dir(arch)
     cfg = ModelConfig.from_dir(d)
     assert cfg.family == arch and not cfg.llama_shape
+    _, ours = load_our_model(d)
+    assert cfg.num_params() == sum(p.numel() for p in ours.parameters())
     toks = _check_against_hf(d, prompt_len=21, steps=6)  # 21 > window 8, crosses a 16-token block
     assert len(set(toks[21:])) > 1
 
