@@ -36,6 +36,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
 }
 SUPPORTED_GGUF_ROPE = ("none", "llama3 (rope_freqs.weight)")
@@ -200,7 +201,7 @@ def config_from_gguf(path: str | os.PathLike):
 
     rot_dim = key("rope.dimension_count") or head_dim
     theta = float(key("rope.freq_base", 10000.0))
-    rope_scaling = _rope_scaling(key, gf, rot_dim, theta, source)
+    rope_scaling = _rope_scaling(key, gf, rot_dim, theta, source, linear_ok=arch == "gemma3")
 
     hf: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
@@ -229,7 +230,7 @@ def config_from_gguf(path: str | os.PathLike):
     cfg = ModelConfig.from_hf_dict(hf, {}, model_dir=str(path), source=source)
     if arch != "qwen2":  # from_hf_dict ties o_proj's bias to q/k/v's; GGUF says which exist
         cfg.o_proj_bias = "blk.0.attn_output.bias" in tensors
-    if arch == "gemma2":
+    if arch in ("gemma2", "gemma3"):
         cfg.norm_weight_offset = 0.0  # llama.cpp's converter stores Gemma's norm weights with the +1 added
     cfg.name = path.stem
     cfg.sampling_defaults = defaults_from_gguf(meta)
@@ -238,16 +239,20 @@ def config_from_gguf(path: str | os.PathLike):
 
 def _family_keys(arch: str, key, hidden: int, heads: int, head_dim: int, source: str) -> dict[str, Any]:
     """HF config keys of the dense families that GGUF spells as `<arch>.*` metadata."""
-    if arch != "gemma2":
+    if arch not in ("gemma2", "gemma3"):
         return {}
     window = key("attention.sliding_window")
     if not window:
-        raise ModelLoadError(f"{source}: missing metadata key 'gemma2.attention.sliding_window'")
+        raise ModelLoadError(f"{source}: missing metadata key '{arch}.attention.sliding_window'")
     n_layers = key("block_count", required=True)
+    # llama.cpp's patterns, as HF's defaults: Gemma 2 slides on even layers, Gemma 3 on all but
+    # every 6th; Gemma 3's sliding layers rotate with rope.freq_base_swa (llama.cpp: 10000)
+    pattern = 2 if arch == "gemma2" else 6
+    extra = {} if arch == "gemma2" else {"rope_local_base_freq": float(key("rope.freq_base_swa", 10000.0))}
     return {
+        **extra,
         "sliding_window": int(window),
-        # llama.cpp: every other layer slides (layer 0 first), as HF's default layer_types
-        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
+        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)],
         "attn_logit_softcapping": key("attn_logit_softcapping"),
         "final_logit_softcapping": key("final_logit_softcapping"),
         # GGUF has no query_pre_attn_scalar; llama.cpp scales by 1/sqrt(head_dim), except the
@@ -273,9 +278,11 @@ def _compute_dtype(tensors: dict[str, Any]) -> str:
     return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(t.type_name, "float16")
 
 
-def _rope_scaling(key, gf: GGUFFile, rot_dim: int, theta: float, source: str) -> dict | None:
+def _rope_scaling(key, gf: GGUFFile, rot_dim: int, theta: float, source: str, linear_ok: bool = False) -> dict | None:
     kind = key("rope.scaling.type", "none")
     factor = key("rope.scaling.factor", 1.0)
+    if linear_ok and kind == "linear" and factor != 1.0:  # Gemma 3's global layers
+        return {"rope_type": "linear", "factor": float(factor)}
     if kind not in ("none", "") and not (kind == "linear" and factor == 1.0):
         raise ModelLoadError(
             f"{source}: unsupported rope scaling type {kind!r}; supported: {', '.join(SUPPORTED_GGUF_ROPE)}"

@@ -32,7 +32,8 @@ LAYER_MAP = {
 TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Olmo2ForCausalLM": "olmo2"}
+             "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+             "Olmo2ForCausalLM": "olmo2"}
 # llama.cpp's names for the norms of the families with output norms (gguf.MODEL_TENSORS)
 POST_NORM_MAP = dict(LAYER_MAP, **{
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -49,7 +50,7 @@ def to_gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in TOP_MAP:
         return TOP_MAP[hf_name]
     _, _, idx, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{idx}.{(POST_NORM_MAP if arch in ('gemma2', 'olmo2') else LAYER_MAP)[rest]}"
+    return f"blk.{idx}.{(POST_NORM_MAP if arch in ('gemma2', 'gemma3', 'olmo2') else LAYER_MAP)[rest]}"
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -175,8 +176,8 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         w = w.astype(np.float32)
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             w = llamacpp_permute(w, heads if ".q_proj." in hf_name else kv)
-        if arch == "gemma2" and hf_name.endswith("norm.weight"):
-            w = w + 1  # convert_hf_to_gguf Gemma2Model: norms stored as (1 + w)
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            w = w + 1  # convert_hf_to_gguf Gemma2Model / Gemma3Model: norms (q/k too) stored as (1 + w)
         t = qtype if w.ndim == 2 else "F32"
         tensors[to_gguf_name(hf_name, arch)] = (w if t == "F32" else encode_tensor(w, t, rng), t)
     theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
@@ -191,5 +192,12 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         hp["extra"] = {"gemma2.attention.sliding_window": int(cfg["sliding_window"]),
                        "gemma2.attn_logit_softcapping": float(cfg["attn_logit_softcapping"]),
                        "gemma2.final_logit_softcapping": float(cfg["final_logit_softcapping"])}
+    if arch == "gemma3":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", 10000.0)
+        hp["rope_theta"] = float(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+        hp["extra"] = {"gemma3.attention.sliding_window": int(cfg["sliding_window"]),
+                       "gemma3.rope.freq_base_swa": float(local)}
+        if cfg.get("final_logit_softcapping"):
+            hp["extra"]["gemma3.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
     tok = tokenizer_fields(model_dir, "qwen2" if arch.startswith("qwen") else "gpt-2", add_bos=arch == "llama")
     return write_gguf(out_path, arch, hp, tensors, tok)

@@ -195,7 +195,12 @@ def test_cpu_paged_decode_window_and_softcap_match_twin():
 
 
 # --------------------------------------------------------------------------- GGUF
-@pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
+# Gemma 3 GGUFs carry no layer_types: llama.cpp's pattern (every 6th layer full) applies, so the
+# tiny model has 6 layers in HF's default pattern (5 sliding, 1 full)
+GGUF_CASES = {"gemma2": {}, "olmo2": {}, "gemma3": {"layer_types": None, "num_hidden_layers": 6}}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_CASES))
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_dense_gguf_matches(tmp_path, arch, qtype):
     """A GGUF written as llama.cpp's converter writes it (names, Gemma's +1 norms, metadata):
@@ -205,14 +210,14 @@ def test_dense_gguf_matches(tmp_path, arch, qtype):
     from services.worker.model import load_model
     from tests.gguf_export import export_hf_dir
 
-    d = cached_model_dir(arch)
+    d = cached_model_dir(arch, **GGUF_CASES[arch])
     g = export_hf_dir(d, tmp_path / f"{arch}-{qtype}.gguf", qtype=qtype)
     cfg, hf_cfg = ModelConfig.from_dir(g), ModelConfig.from_dir(d)
     for k in ("architecture", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "layer_types",
               "sliding_window", "attention_scale", "attn_logit_softcap", "final_logit_softcap", "norm_layout",
-              "qk_norm_full", "hidden_act", "embedding_multiplier"):
+              "qk_norm_full", "qk_norm", "hidden_act", "embedding_multiplier", "rope_theta", "rope_local_theta"):
         assert getattr(cfg, k) == getattr(hf_cfg, k), k
-    assert cfg.norm_weight_offset == 0.0 and hf_cfg.norm_weight_offset == (1.0 if arch == "gemma2" else 0.0)
+    assert cfg.norm_weight_offset == 0.0 and hf_cfg.norm_weight_offset == (0.0 if arch == "olmo2" else 1.0)
     prompt = random_prompt(20, cfg.vocab_size, seed=9)
     ops = get_ops("torch")
     ours = load_model(cfg, "cpu", torch.float32, ops)
