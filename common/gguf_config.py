@@ -38,6 +38,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_GGUF_ROPE = ("none", "llama3 (rope_freqs.weight)")
 
@@ -222,6 +223,8 @@ def config_from_gguf(path: str | os.PathLike):
         "torch_dtype": _compute_dtype(tensors),
     }
     hf.update(_family_keys(arch, key, hidden, heads, head_dim, source))
+    if arch == "phi3":
+        hf.update(_phi3_longrope(key, gf, source))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     hf["eos_token_id"] = list(dict.fromkeys(eos))
@@ -259,6 +262,30 @@ def _family_keys(arch: str, key, hidden: int, heads: int, head_dim: int, source:
         # 27B (46 layers), where it is hidden / heads, which is what its HF config says too
         "query_pre_attn_scalar": hidden // heads if n_layers == 46 else head_dim,
     }
+
+
+def _phi3_longrope(key, gf: GGUFFile, source: str) -> dict[str, Any]:
+    """llama.cpp stores Phi-3's LongRoPE as rope_factors_short/long.weight tensors plus
+    rope.scaling.attn_factor / original_context_length (no scaling type key)."""
+    t_short, t_long = gf.tensors.get("rope_factors_short.weight"), gf.tensors.get("rope_factors_long.weight")
+    out: dict[str, Any] = {}
+    window = key("attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+    if t_short is None and t_long is None:
+        return out
+    if t_short is None or t_long is None or {t_short.type_name, t_long.type_name} != {"F32"}:
+        raise ModelLoadError(f"{source}: LongRoPE needs both rope_factors_short.weight and "
+                             "rope_factors_long.weight as F32 tensors")
+    orig = key("rope.scaling.original_context_length", required=True)
+    factors = {k: gf.raw_rows(t).view(np.float32).reshape(-1).astype(float).tolist()
+               for k, t in (("short_factor", t_short), ("long_factor", t_long))}
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(orig), **factors}
+    attn = key("rope.scaling.attn_factor")
+    if attn is not None:
+        scaling["attention_factor"] = float(attn)
+    out.update(rope_scaling=scaling, original_max_position_embeddings=int(orig))
+    return out
 
 
 def _uniform(value: Any, name: str, source: str) -> int:

@@ -28,12 +28,13 @@ LAYER_MAP = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3
 }
 TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-             "Olmo2ForCausalLM": "olmo2"}
+             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
 # llama.cpp's names for the norms of the families with output norms (gguf.MODEL_TENSORS)
 POST_NORM_MAP = dict(LAYER_MAP, **{
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -192,6 +193,14 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         hp["extra"] = {"gemma2.attention.sliding_window": int(cfg["sliding_window"]),
                        "gemma2.attn_logit_softcapping": float(cfg["attn_logit_softcapping"]),
                        "gemma2.final_logit_softcapping": float(cfg["final_logit_softcapping"])}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # convert_hf_to_gguf Phi3MiniModel
+        orig = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / orig
+        attn = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(orig))
+        tensors["rope_factors_long.weight"] = (np.array(rope["long_factor"], dtype=np.float32), "F32")
+        tensors["rope_factors_short.weight"] = (np.array(rope["short_factor"], dtype=np.float32), "F32")
+        hp["extra"] = {"phi3.rope.scaling.attn_factor": float(attn),
+                       "phi3.rope.scaling.original_context_length": int(orig)}
     if arch == "gemma3":
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", 10000.0)
         hp["rope_theta"] = float(cfg["rope_parameters"]["full_attention"]["rope_theta"])

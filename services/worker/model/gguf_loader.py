@@ -59,6 +59,9 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Phi-3's fused checkpoints: llama.cpp keeps them fused (ffn_up holds gate then up)
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
