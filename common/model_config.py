@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.dense_families import DENSE_ARCHITECTURES, family_fields, gemma3_rope
+from common.dense_families import DENSE_ARCHITECTURES, FULL, SLIDING, family_fields, gemma3_rope, layer_types
 from common.errors import ModelLoadError
 from common.sampling_params import check_defaults, defaults_from_generation_config
 
@@ -84,7 +84,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ derived
     @property
     def family(self) -> str:
-        """"llama" (Llama, Mistral), "qwen2" or "qwen3"."""
+        """"llama" (Llama, Mistral), "qwen2", "qwen3", or a dense family of common/dense_families.py."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     def layer_window(self, idx: int) -> int | None:
@@ -254,8 +254,6 @@ class ModelConfig:
             if not hf.get("use_sliding_window", False):
                 sliding_window = None
             elif sliding_window:
-                from common.dense_families import FULL, SLIDING
-
                 mwl = int(hf.get("max_window_layers") or 0)
                 qwen_layer_types = hf.get("layer_types") or [SLIDING if i >= mwl else FULL for i in range(num_layers)]
 
@@ -275,8 +273,6 @@ class ModelConfig:
         if rope_local_theta is not None:
             extra["rope_local_theta"] = rope_local_theta
         if qwen_layer_types is not None:
-            from common.dense_families import layer_types
-
             extra["layer_types"] = layer_types({"layer_types": qwen_layer_types}, num_layers, source, 1)
         if "sliding_window" in extra:
             sliding_window = extra.pop("sliding_window")
