@@ -37,6 +37,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }  # a "llama" file with {arch}.expert_count > 0 is Mixtral (llama.cpp converts it as llama)
 SUPPORTED_GGUF_ROPE = ("none", "llama3 (rope_freqs.weight)")
 
@@ -200,7 +204,7 @@ def config_from_gguf(path: str | os.PathLike):
 
     rot_dim = key("rope.dimension_count") or head_dim
     theta = float(key("rope.freq_base", 10000.0))
-    rope_scaling = _rope_scaling(key, gf, rot_dim, theta, source)
+    rope_scaling = _rope_scaling(key, gf, rot_dim, theta, source, linear_ok=arch == "gemma3")
 
     hf: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
@@ -220,6 +224,9 @@ def config_from_gguf(path: str | os.PathLike):
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": _compute_dtype(tensors),
     }
+    hf.update(_family_keys(arch, key, hidden, heads, head_dim, source))
+    if arch == "phi3":
+        hf.update(_phi3_longrope(key, gf, source))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     hf["eos_token_id"] = list(dict.fromkeys(eos))
@@ -229,6 +236,8 @@ def config_from_gguf(path: str | os.PathLike):
     cfg = ModelConfig.from_hf_dict(hf, {}, model_dir=str(path), source=source)
     if arch != "qwen2":  # from_hf_dict ties o_proj's bias to q/k/v's; GGUF says which exist
         cfg.o_proj_bias = "blk.0.attn_output.bias" in tensors
+    if arch in ("gemma2", "gemma3"):
+        cfg.norm_weight_offset = 0.0  # llama.cpp's converter stores Gemma's norm weights with the +1 added
     cfg.name = path.stem
     cfg.sampling_defaults = defaults_from_gguf(meta)
     return cfg
@@ -259,6 +268,54 @@ def _moe_keys(key, arch: str, hf: dict[str, Any], tensors: dict[str, Any]) -> di
     return out
 
 
+def _family_keys(arch: str, key, hidden: int, heads: int, head_dim: int, source: str) -> dict[str, Any]:
+    """HF config keys of the dense families that GGUF spells as `<arch>.*` metadata."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    window = key("attention.sliding_window")
+    if not window:
+        raise ModelLoadError(f"{source}: missing metadata key '{arch}.attention.sliding_window'")
+    n_layers = key("block_count", required=True)
+    # llama.cpp's patterns, as HF's defaults: Gemma 2 slides on even layers, Gemma 3 on all but
+    # every 6th; Gemma 3's sliding layers rotate with rope.freq_base_swa (llama.cpp: 10000)
+    pattern = 2 if arch == "gemma2" else 6
+    extra = {} if arch == "gemma2" else {"rope_local_base_freq": float(key("rope.freq_base_swa", 10000.0))}
+    return {
+        **extra,
+        "sliding_window": int(window),
+        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)],
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        # GGUF has no query_pre_attn_scalar; llama.cpp scales by 1/sqrt(head_dim), except the
+        # 27B (46 layers), where it is hidden / heads, which is what its HF config says too
+        "query_pre_attn_scalar": hidden // heads if n_layers == 46 else head_dim,
+    }
+
+
+def _phi3_longrope(key, gf: GGUFFile, source: str) -> dict[str, Any]:
+    """llama.cpp stores Phi-3's LongRoPE as rope_factors_short/long.weight tensors plus
+    rope.scaling.attn_factor / original_context_length (no scaling type key)."""
+    t_short, t_long = gf.tensors.get("rope_factors_short.weight"), gf.tensors.get("rope_factors_long.weight")
+    out: dict[str, Any] = {}
+    window = key("attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+    if t_short is None and t_long is None:
+        return out
+    if t_short is None or t_long is None or {t_short.type_name, t_long.type_name} != {"F32"}:
+        raise ModelLoadError(f"{source}: LongRoPE needs both rope_factors_short.weight and "
+                             "rope_factors_long.weight as F32 tensors")
+    orig = key("rope.scaling.original_context_length", required=True)
+    factors = {k: gf.raw_rows(t).view(np.float32).reshape(-1).astype(float).tolist()
+               for k, t in (("short_factor", t_short), ("long_factor", t_long))}
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(orig), **factors}
+    attn = key("rope.scaling.attn_factor")
+    if attn is not None:
+        scaling["attention_factor"] = float(attn)
+    out.update(rope_scaling=scaling, original_max_position_embeddings=int(orig))
+    return out
+
+
 def _uniform(value: Any, name: str, source: str) -> int:
     """A per-layer array must hold one value (we do not run models with varying head counts)."""
     if isinstance(value, list):
@@ -276,9 +333,11 @@ def _compute_dtype(tensors: dict[str, Any]) -> str:
     return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(t.type_name, "float16")
 
 
-def _rope_scaling(key, gf: GGUFFile, rot_dim: int, theta: float, source: str) -> dict | None:
+def _rope_scaling(key, gf: GGUFFile, rot_dim: int, theta: float, source: str, linear_ok: bool = False) -> dict | None:
     kind = key("rope.scaling.type", "none")
     factor = key("rope.scaling.factor", 1.0)
+    if linear_ok and kind == "linear" and factor != 1.0:  # Gemma 3's global layers
+        return {"rope_type": "linear", "factor": float(factor)}
     if kind not in ("none", "") and not (kind == "linear" and factor == 1.0):
         raise ModelLoadError(
             f"{source}: unsupported rope scaling type {kind!r}; supported: {', '.join(SUPPORTED_GGUF_ROPE)}"

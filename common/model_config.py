@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.dense_families import DENSE_ARCHITECTURES, FULL, SLIDING, family_fields, gemma3_rope, layer_types
 from common.errors import ModelLoadError
 from common.sampling_params import check_defaults, defaults_from_generation_config
 
@@ -31,10 +32,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "OlmoeForCausalLM": "olmoe",
+    **DENSE_ARCHITECTURES,  # Gemma 2/3, Phi-3, Granite, OLMo 2 (common/dense_families.py)
 }
 MOE_FAMILIES = ("mixtral", "qwen3moe", "olmoe")
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -58,7 +60,7 @@ class ModelConfig:
     o_proj_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias=true)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     max_position_embeddings: int = 2048
-    sliding_window: int | None = None  # set when the checkpoint asks for it; we attend to the full context
+    sliding_window: int | None = None  # window of the sliding layers (all layers unless layer_types says)
     torch_dtype: str = "float32"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -76,12 +78,45 @@ class ModelConfig:
     # what generation_config.json (or a GGUF's general.sampling.*) sets for fields a request leaves
     # unset, as read (resolve_sampling_defaults checks them where they are used)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # per-family switches (common/dense_families.py sets them; the defaults are Llama's)
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh" (GeGLU)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's HF norms use 1
+    norm_layout: str = "pre"  # "pre" (Llama), "sandwich" (Gemma: pre + post), "post" (OLMo 2)
+    qk_norm_full: bool = False  # q/k RMSNorm over the whole projection, all heads (OLMo 2)
+    embedding_multiplier: float = 1.0  # Gemma sqrt(hidden), Granite embedding_multiplier
+    residual_multiplier: float = 1.0  # Granite: each block's output is scaled before the add
+    attention_scale: float | None = None  # None = head_dim**-0.5
+    attn_logit_softcap: float | None = None  # cap * tanh(scores / cap) before the softmax
+    final_logit_softcap: float | None = None
+    logits_scaling: float = 1.0  # logits are divided by it (Granite)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" / "full_attention"
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    fused_qkv: bool = False  # checkpoint holds qkv_proj / gate_up_proj fused (Phi-3)
+    fused_gate_up: bool = False
 
     # ------------------------------------------------------------------ derived
     @property
     def family(self) -> str:
-        """"llama" (Llama, Mistral), "qwen2", "qwen3"; MoE: "mixtral", "qwen3moe", "olmoe"."""
+        """"llama" (Llama, Mistral), "qwen2", "qwen3", a dense family of common/dense_families.py,
+        or MoE: "mixtral", "qwen3moe", "olmoe"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def layer_window(self, idx: int) -> int | None:
+        """The sliding window of layer `idx` (None = full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[idx] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def llama_shape(self) -> bool:
+        """True when the model is the plain Llama/Qwen decoder the compiled CPU decode step runs."""
+        return (self.family in ("llama", "qwen2", "qwen3") and self.sliding_window is None
+                and self.hidden_act == "silu" and self.norm_layout == "pre" and self.norm_weight_offset == 0.0
+                and self.attention_scale is None and self.attn_logit_softcap is None
+                and self.embedding_multiplier == 1.0 and self.residual_multiplier == 1.0
+                and self.rope_type in ("default", "llama3"))
 
     @property
     def is_moe(self) -> bool:
@@ -111,6 +146,8 @@ class ModelConfig:
             per_layer += 2 * d
         if self.qk_norm_full:
             per_layer += q + kv
+        if self.norm_layout == "sandwich":
+            per_layer += 2 * h  # pre- and post-norms around both blocks (OLMo 2: post only, still 2)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router row each
         mlps = sum(moe if self.is_moe_layer(j) else 3 * h * i for j in range(self.num_layers))
@@ -211,13 +248,18 @@ class ModelConfig:
         if head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
 
-        act = hf.get("hidden_act", "silu")
+        act = "silu" if family in ("gemma2", "gemma3") else hf.get("hidden_act", "silu")  # Gemma: see family_fields
         if act not in ("silu", "swish"):
             raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
         if hf.get("mlp_bias"):
             raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
 
+        rope_local_theta = None
+        if family == "gemma3":
+            hf, rope_local_theta = gemma3_rope(hf, source)
         rope_theta, rope_scaling, partial = _parse_rope(hf, source)
+        if rope_scaling and rope_scaling["rope_type"] == "longrope":
+            rope_scaling = _longrope(rope_scaling, hf, head_dim, partial, source)
 
         # projection biases, as transformers' modules define them per architecture
         if family == "qwen2":
@@ -229,10 +271,18 @@ class ModelConfig:
 
         moe = moe_fields(hf, family, intermediate, num_layers, source)
 
-        # sliding-window attention is not implemented: report it so callers can cap the length
+        # sliding-window attention: Mistral on every layer; Qwen2/3 (use_sliding_window) on the
+        # layers from max_window_layers on, as transformers' layer_types
         sliding_window = hf.get("sliding_window")
-        if family in ("qwen2", "qwen3", "qwen3moe", "olmoe") and not hf.get("use_sliding_window", False):
+        qwen_layer_types = None
+        if family in ("qwen3moe", "olmoe") and not hf.get("use_sliding_window", False):
             sliding_window = None
+        if family in ("qwen2", "qwen3"):
+            if not hf.get("use_sliding_window", False):
+                sliding_window = None
+            elif sliding_window:
+                mwl = int(hf.get("max_window_layers") or 0)
+                qwen_layer_types = hf.get("layer_types") or [SLIDING if i >= mwl else FULL for i in range(num_layers)]
 
         eos = _merge_ids(hf.get("eos_token_id"), generation.get("eos_token_id"), source=source)
         bos = generation.get("bos_token_id", hf.get("bos_token_id"))
@@ -245,6 +295,18 @@ class ModelConfig:
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         if not isinstance(dtype, str):
             dtype = str(dtype).replace("torch.", "")
+
+        extra = family_fields(arch, hf, source) if arch in DENSE_ARCHITECTURES else {}
+        if rope_local_theta is not None:
+            extra["rope_local_theta"] = rope_local_theta
+        if qwen_layer_types is not None:
+            extra["layer_types"] = layer_types({"layer_types": qwen_layer_types}, num_layers, source, 1)
+        if "sliding_window" in extra:
+            sliding_window = extra.pop("sliding_window")
+        attention_bias = extra.pop("attention_bias", attention_bias)
+        o_proj_bias = extra.pop("o_proj_bias", o_proj_bias)
+        if sliding_window is not None and sliding_window <= 0:
+            raise ModelLoadError(f"{source}: key 'sliding_window' must be positive, got {sliding_window}")
 
         name = Path(model_dir).name if model_dir else hf.get("_name_or_path", "") or arch
         return cls(
@@ -260,11 +322,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             partial_rotary_factor=partial,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(extra.pop("tie_word_embeddings", hf.get("tie_word_embeddings", False))),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             sliding_window=None if sliding_window is None else int(sliding_window),
-            qk_norm=family in ("qwen3", "qwen3moe"),
+            qk_norm=bool(extra.pop("qk_norm", family in ("qwen3", "qwen3moe"))),
             max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
             torch_dtype=dtype,
             eos_token_ids=eos,
@@ -274,6 +336,7 @@ class ModelConfig:
             name=name,
             sampling_defaults=defaults_from_generation_config(generation),
             **moe,
+            **extra,
         )
 
 
@@ -411,6 +474,13 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] 
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type == "default":
         return theta, None, partial
+    if rope_type == "linear":
+        factor = scaling.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ModelLoadError(f"{source}: linear rope scaling needs a positive 'factor', got {factor!r}")
+        return theta, {"rope_type": "linear", "factor": float(factor)}, partial
+    if rope_type == "longrope":
+        return theta, dict(scaling, rope_type="longrope"), partial  # checked by _longrope
     if rope_type != "llama3":
         raise ModelLoadError(
             f"{source}: unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -427,3 +497,27 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] 
     if not math.isfinite(out["factor"]) or out["factor"] <= 0:
         raise ModelLoadError(f"{source}: llama3 rope scaling factor must be positive, got {out['factor']}")
     return theta, out, partial
+
+
+def _longrope(scaling: dict[str, Any], hf: dict[str, Any], head_dim: int, partial: float,
+              source: str) -> dict[str, Any]:
+    """Phi-3 LongRoPE: per-frequency divisors (short below original_max_position_embeddings,
+    long past it) and a cos/sin scale, as transformers' _compute_longrope_parameters."""
+    orig = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not orig:
+        raise ModelLoadError(f"{source}: longrope rope scaling needs 'original_max_position_embeddings'")
+    half = int(head_dim * partial) // 2
+    out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig)}
+    for key in ("short_factor", "long_factor"):
+        f = scaling.get(key)
+        if not isinstance(f, list) or len(f) != half:
+            raise ModelLoadError(f"{source}: longrope {key!r} must list {half} numbers (rotary_dim / 2), got {f!r}")
+        out[key] = [float(x) for x in f]
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = int(hf.get("max_position_embeddings") or 2048) / int(orig)
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(int(orig)))
+    out["attention_factor"] = float(attn)
+    return out

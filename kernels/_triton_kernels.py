@@ -143,10 +143,12 @@ def paged_attn_kernel(
     s_lb, s_lh,  # part_lse [B, Hq, S] (last stride 1)
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     num_splits, split_len,
+    window,  # sliding window (> 0): a query at p sees keys p - window < j <= p; 0 = all
+    scale, softcap,  # SOFTCAP: scores = softcap * tanh(q.k * scale / softcap), then * log2(e)
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     """One program = (request b, query tile x KV split, kv head).
 
@@ -188,6 +190,9 @@ def paged_attn_kernel(
     hi = tl.minimum(seq_len, ctx + last_tok + 1)
     lo = sp * split_len
     hi = tl.minimum(hi, lo + split_len)
+    if window > 0:  # keys before the window of the tile's first token are never read
+        lo = tl.maximum(lo, ctx + m_start - window + 1)
+    win_lo = tl.where(window > 0, qpos - window, -1)  # per row: keys j > win_lo are visible
     hi = tl.where(m_start < q_len, hi, lo)  # dead query tile: no work
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -210,8 +215,14 @@ def paged_attn_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        vis = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= qpos[:, None])
+        if SOFTCAP:  # tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|): no overflow
+            x = s * scale / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
+        else:
+            s = s * qk_scale
+        vis = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= qpos[:, None]) & (n[None, :] > win_lo[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: no NaN

@@ -179,6 +179,9 @@ def _bind_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.zs_paged_decode_f32
     f.restype = I
     f.argtypes = [P, P, P, P, I64, P, P, I, I, I, I, I, F32, I]
+    f = lib.zs_paged_decode_window_f32
+    f.restype = I
+    f.argtypes = [P, P, P, P, I64, P, P, I, I, I, I, I, F32, I, I, F32]
     mg, md = ctypes.c_int(), ctypes.c_int()
     lib.zs_limits(ctypes.byref(mg), ctypes.byref(md))
     lib.max_group, lib.max_dim = mg.value, md.value
@@ -285,8 +288,12 @@ def paged_decode(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention read in place from the paged cache; returns [B, Hq, D] fp32.
+    `sliding_window`: each request reads only its last `sliding_window` keys; `softcap`: scores
+    become softcap * tanh(score / softcap) (as the torch twin's).
 
     Call ``supports`` first. Entries of block_tables past a request's length are never read."""
     b, hq, d = q.shape
@@ -299,9 +306,12 @@ def paged_decode(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the paged KV cache must be contiguous")
     out = torch.empty_like(q)
-    rc = _DECODE.lib.zs_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
-                                  bt.stride(0), sl.data_ptr(), out.data_ptr(), b, hq, hk, d, bs, float(scale),
-                                  torch.get_num_threads())
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(),
+            out.data_ptr(), b, hq, hk, d, bs, float(scale), torch.get_num_threads())
+    if sliding_window or softcap:
+        rc = _DECODE.lib.zs_paged_decode_window_f32(*args, int(sliding_window or 0), float(softcap or 0.0))
+    else:
+        rc = _DECODE.lib.zs_paged_decode_f32(*args)
     if rc != 0:
         raise ValueError(f"paged_decode: shapes outside the compiled limits (Hq={hq}, Hk={hk}, D={d})")
     return out

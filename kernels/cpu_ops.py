@@ -64,6 +64,9 @@ def fused_add_rms_norm(
     return out, new_res
 
 
+gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # GeGLU (Gemma): the twin; no compiled kernel
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     lib = _ops(x)
     if lib is None or not _rows(x) or x.shape[1] % 2:
@@ -121,15 +124,21 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``torch_ops.paged_attention``."""
+    """Same contract as ``torch_ops.paged_attention`` (the compiled decode kernel honours the
+    window and the soft-cap too)."""
     if not cpu_native.supports(q, k_cache):
-        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale)
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale,
+                                         sliding_window=sliding_window, softcap=softcap)
 
     def decode(q_rows, block_tables, seq_lens):
-        return cpu_native.paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, scale)
+        return cpu_native.paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       sliding_window=sliding_window, softcap=softcap)
 
-    return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, decode=decode)
+    return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, decode=decode,
+                                     sliding_window=sliding_window, softcap=softcap)
 
 
 from kernels.moe import fused_moe  # noqa: E402,F401 (per active expert: torch GEMMs)

@@ -16,6 +16,7 @@ from kernels import AttentionMetadata
 __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -45,6 +46,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I] = silu(x[:, :I]) * x[:, I:] (in x.dtype, like HF LlamaMLP)."""
     i = x.shape[-1] // 2
     return F.silu(x[..., :i]) * x[..., i:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I] = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU, HF gelu_pytorch_tanh)."""
+    i = x.shape[-1] // 2
+    return F.gelu(x[..., :i], approximate="tanh") * x[..., i:]
 
 
 # --------------------------------------------------------------------------- rotary
@@ -166,8 +173,14 @@ def _attention_group(
     q_lens: torch.Tensor,  # [B]
     max_seq_len: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Padded batched causal attention; returns [B, Qmax, Hq, D] fp32 (padding rows: junk)."""
+    """Padded batched causal attention; returns [B, Qmax, Hq, D] fp32 (padding rows: junk).
+
+    `window`: a query at position p sees keys p - window < j <= p (HF's sliding-window mask:
+    the last `window` positions, itself included). `softcap`: scores become
+    softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
     b, qmax, hq, d = q_rows.shape
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     grp = hq // hk
@@ -183,7 +196,14 @@ def _attention_group(
     if qmax == 1:
         # Decode: fold the GQA group into the query-row axis (K/V never expanded, q is a view).
         # Key 0 stays visible so no row is ever fully masked (seq_len >= 1 for real rows).
-        mask = _additive((j < seq) | (j == 0))  # [B, 1, L]
+        if window is None:
+            keep = (j < seq) | (j == 0)
+        else:  # the window's first key; an empty row (seq 0) keeps key 0 so nothing is fully masked
+            keep = ((j < seq) & (j >= seq - window)) | ((j == 0) & (seq <= 0))
+        mask = _additive(keep)  # [B, 1, L]
+        if softcap is not None:
+            out = _capped(qf.reshape(b, hk, grp, 1, d), k, v, mask.view(b, 1, 1, 1, lmax), scale, softcap)
+            return out.reshape(b, 1, hq, d)
         out = F.scaled_dot_product_attention(
             qf.reshape(b, hk, grp, d), k, v, attn_mask=mask.unsqueeze(1), scale=scale
         )  # [B, Hk, grp, D]
@@ -192,8 +212,15 @@ def _attention_group(
     i = torch.arange(qmax, device=dev).view(1, qmax, 1)
     qpos = seq - ql + i  # absolute position of query i
     # causal + length; padding rows (i >= q_len) see key 0 only, so nothing is fully masked
-    mask = _additive(((j <= qpos) & (i < ql)) | (j == 0)).unsqueeze(1)  # [B, 1, Qmax, L]
+    if window is None:
+        keep = ((j <= qpos) & (i < ql)) | (j == 0)
+    else:  # key 0 only for padding rows: for real rows it may lie outside the window
+        keep = ((j <= qpos) & (j > qpos - window) & (i < ql)) | ((j == 0) & (i >= ql))
+    mask = _additive(keep).unsqueeze(1)  # [B, 1, Qmax, L]
     qh = qf.transpose(1, 2)  # [B, Hq, Qmax, D]
+    if softcap is not None:
+        out = _capped(qh.reshape(b, hk, grp, qmax, d), k, v, mask.unsqueeze(1), scale, softcap)
+        return out.reshape(b, hq, qmax, d).transpose(1, 2)
     if grp > 1:
         if _HAS_ENABLE_GQA:
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
@@ -207,6 +234,16 @@ def _attention_group(
     return out.transpose(1, 2)
 
 
+def _capped(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
+    """Soft-capped attention (SDPA has no cap): q5 [B, Hk, G, Q, D], k/v [B, Hk, L, D], additive
+    mask broadcastable to [B, Hk, G, Q, L] -> [B, Hk, G, Q, D]. Order as HF's eager Gemma 2:
+    scale, divide by the cap, tanh, multiply, add the mask, softmax in fp32."""
+    scores = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(2))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -214,6 +251,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode=None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q[T,Hq,D] over the paged cache (new K/V already written).
 
@@ -226,7 +265,10 @@ def paged_attention(
     padded batched calls with a causal + length mask. Requests are grouped by length so that
     padding costs at most PAD_WASTE x the ragged work (usually one group). Softmax in fp32,
     output in q.dtype. Rows past query_start_loc[-1] (padding tokens) come back as zeros.
+
+    ``sliding_window`` / ``softcap``: see _attention_group (``decode`` must then honour them too).
     """
+    win = dict(window=sliding_window, softcap=softcap)
     t = q.shape[0]
     qsl = meta.query_start_loc.long()
     nreq = qsl.shape[0] - 1
@@ -239,7 +281,7 @@ def paged_attention(
     if meta.max_query_len <= 1 and t == nreq and q.device.type != "cpu":
         # pure decode on an accelerator (the twin as a reference): one op, no host sync
         res = _attention_group(q.unsqueeze(1), k_cache, v_cache, bt, seq_lens, q_lens,
-                               meta.max_seq_len, scale)
+                               meta.max_seq_len, scale, **win)
         return res[:, 0].to(q.dtype)
 
     if decode is not None and meta.max_query_len <= 1 and t == nreq:  # every request decodes
@@ -264,12 +306,12 @@ def paged_attention(
             smax = max(sl_l[i] for i in grp_idx)
             if t == nreq and len(groups) == 1:  # every request decodes: rows are in order
                 res = _attention_group(q.unsqueeze(1), k_cache, v_cache, bt, seq_lens, q_lens,
-                                       smax, scale)
+                                       smax, scale, **win)
                 return res[:, 0].to(q.dtype)
             sel = sel.to(q.device)
             rows = qsl[sel]
             res = _attention_group(q[rows].unsqueeze(1), k_cache, v_cache, bt[sel],
-                                   seq_lens[sel], q_lens[sel], smax, scale)
+                                   seq_lens[sel], q_lens[sel], smax, scale, **win)
             out[rows] = res[:, 0].to(q.dtype)
     if ext is not None and ext.numel():
         # Prefill/extend requests run as padded batches, grouped so that padding stays bounded:
@@ -283,7 +325,7 @@ def paged_attention(
             qmax = max(ql_l[i] for i in grp_idx)
             smax = max(sl_l[i] for i in grp_idx)
             _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl,
-                          torch.tensor(sel, device=q.device), qmax, smax, scale)
+                          torch.tensor(sel, device=q.device), qmax, smax, scale, **win)
     return out
 
 
@@ -312,7 +354,7 @@ def _group_by_padding(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]
     return groups
 
 
-def _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl, sel, qmax, smax, scale):
+def _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl, sel, qmax, smax, scale, **win):
     """Padded causal attention for the requests `sel`; writes their rows of `out`."""
     t, hq, d = q.shape
     ne = sel.numel()
@@ -324,7 +366,7 @@ def _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl, sel, qmax
         q_pad = q[qsl[sel[0]]:qsl[sel[0]] + qmax].unsqueeze(0)
     else:
         q_pad = q[src.flatten()].view(ne, qmax, hq, d)
-    res = _attention_group(q_pad, k_cache, v_cache, bt[sel], seq_lens[sel], eql, smax, scale)
+    res = _attention_group(q_pad, k_cache, v_cache, bt[sel], seq_lens[sel], eql, smax, scale, **win)
     out[src[valid]] = res[valid].to(q.dtype)
 
 

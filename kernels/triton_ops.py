@@ -25,6 +25,7 @@ from kernels import AttentionMetadata
 __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -86,6 +87,13 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _rms(x, residual, weight, eps)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): the torch twin on the tensor's device (no Triton kernel yet)."""
+    from kernels import torch_ops
+
+    return torch_ops.gelu_tanh_and_mul(x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +204,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    return paged_attention_impl(q, k_cache, v_cache, meta, scale)
+    return paged_attention_impl(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_attention_impl(
@@ -210,10 +220,16 @@ def paged_attention_impl(
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention with tuning knobs (tests force split counts / tiles through these).
 
-    num_splits only applies to pure-decode batches (max_query_len == 1)."""
+    num_splits only applies to pure-decode batches (max_query_len == 1). `sliding_window` /
+    `softcap`: as the torch twin's (a window skips the KV tiles before it)."""
+    # runtime args (one compiled variant for every window); the cap is a constexpr switch
+    extra = (int(sliding_window or 0), float(scale), float(softcap or 1.0))
+    cap = softcap is not None
     q = _last_contig(q)
     t, hq, d = q.shape
     _, bs, hk, dk = k_cache.shape
@@ -260,10 +276,10 @@ def paged_attention_impl(
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1), bt.stride(0),
                 0, 0, 0, 0, 0,
-                qk_scale, 1, _NO_SPLIT_LEN,
+                qk_scale, 1, _NO_SPLIT_LEN, *extra,
                 GROUP=group, G_PAD=g_pad, BLOCK_Q=1, BLOCK_M=bm, BLOCK_N=bn,
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, SPLIT=False,
-                IEEE=ieee, UPCAST=upcast, num_warps=4, num_stages=2,
+                IEEE=ieee, UPCAST=upcast, SOFTCAP=cap, num_warps=4, num_stages=2,
             )
             return out
         part_o = torch.empty((nreq, hq, splits, d), dtype=torch.float32, device=q.device)
@@ -276,10 +292,10 @@ def paged_attention_impl(
             out.stride(0), out.stride(1), bt.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
-            qk_scale, splits, split_len,
+            qk_scale, splits, split_len, *extra,
             GROUP=group, G_PAD=g_pad, BLOCK_Q=1, BLOCK_M=bm, BLOCK_N=bn,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, SPLIT=True,
-            IEEE=ieee, UPCAST=upcast, num_warps=4, num_stages=2,
+            IEEE=ieee, UPCAST=upcast, SOFTCAP=cap, num_warps=4, num_stages=2,
         )
         kern.combine_kernel[(nreq, hq)](
             part_o, part_lse, out, qsl,
@@ -303,9 +319,9 @@ def paged_attention_impl(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), bt.stride(0),
         0, 0, 0, 0, 0,
-        qk_scale, 1, _NO_SPLIT_LEN,
+        qk_scale, 1, _NO_SPLIT_LEN, *extra,
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, SPLIT=False, IEEE=ieee, UPCAST=upcast,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, SPLIT=False, IEEE=ieee, UPCAST=upcast, SOFTCAP=cap,
         num_warps=4 if bm <= 64 else 8, num_stages=2,
     )
     return out

@@ -30,11 +30,16 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 ARCHS = {
-    # arch -> (architecture name, transformers config class name, model_type)
+    # arch -> (architecture name, transformers config class name)
     "llama": ("LlamaForCausalLM", "LlamaConfig"),
     "mistral": ("MistralForCausalLM", "MistralConfig"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config"),
+    "granite": ("GraniteForCausalLM", "GraniteConfig"),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
@@ -49,6 +54,27 @@ MOE_ARCH_CONFIG: dict[str, dict[str, Any]] = {
                  "decoder_sparse_step": 1, "mlp_only_layers": [-1]},  # -1: the last layer
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
 }
+
+# arch -> config.json keys beyond the size's (small windows and caps, so tests exercise them).
+# Archs listed here get their tensor list from transformers' own module (built on the meta
+# device), so a new family needs only its entry in ARCHS and, if any, its keys here.
+_TINY_HALF_DIM = 8  # head_dim 16 / 2: LongRoPE factors per frequency
+ARCH_CONFIG: dict[str, dict[str, Any]] = {
+    "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 8, "attn_logit_softcapping": 8.0,
+               "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+               "layer_types": None, "tie_word_embeddings": True},
+    "gemma3": {"query_pre_attn_scalar": 16, "sliding_window": 8, "rope_theta": 1_000_000.0,
+               "rope_local_base_freq": 10000.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+               "layer_types": "alternate"},
+    "phi3": {"original_max_position_embeddings": 32, "sliding_window": None,
+             "rope_scaling": {"rope_type": "longrope",
+                              "short_factor": [1.0 + 0.05 * i for i in range(_TINY_HALF_DIM)],
+                              "long_factor": [1.0 + 0.5 * i for i in range(_TINY_HALF_DIM)]}},
+    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+                "logits_scaling": 4.0},
+    "olmo2": {},
+}
+NORM_OFFSET_ARCHS = ("gemma2", "gemma3")  # HF norm weights are applied as (1 + w)
 
 # size -> (config values, tokenizer vocab to train, checkpoint dtype)
 SIZES: dict[str, tuple[dict[str, Any], int, str]] = {
@@ -219,18 +245,39 @@ def _moe_tensor_shapes(cfg: dict[str, Any], arch: str, p: str) -> list[tuple[str
     return out
 
 
-def random_weights(cfg: dict[str, Any], arch: str, seed: int, dtype) -> dict[str, Any]:
+def _module_tensor_shapes(hf_cfg, tied: bool) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor transformers' module for `hf_cfg` saves."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    out = []
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        kind = ("embed" if name in ("model.embed_tokens.weight", "lm_head.weight") else
+                "norm" if name.endswith("norm.weight") else "bias" if name.endswith(".bias") else "linear")
+        out.append((name, tuple(t.shape), kind))
+    return out
+
+
+def random_weights(cfg: dict[str, Any], arch: str, seed: int, dtype, shapes=None) -> dict[str, Any]:
     import torch  # here, not at the top: the `zeroserve` CLI imports this module for its flags
 
     """Seeded random tensors for every checkpoint entry (see the init notes at the top)."""
     gen = torch.Generator().manual_seed(seed)
     tied = bool(cfg.get("tie_word_embeddings", False))
+    # Gemma multiplies the embedding by sqrt(hidden): store it that much smaller, so what enters
+    # the layers has EMBED_STD as everywhere else
+    embed_std = EMBED_STD / math.sqrt(cfg["hidden_size"]) if arch in NORM_OFFSET_ARCHS else EMBED_STD
     tensors = {}
-    for name, shape, kind in _hf_tensor_shapes(cfg, arch):
+    for name, shape, kind in shapes or _hf_tensor_shapes(cfg, arch):
         if name == "model.embed_tokens.weight":
-            t = torch.randn(shape, generator=gen) * EMBED_STD
+            t = torch.randn(shape, generator=gen) * embed_std
         elif name == "lm_head.weight":
-            t = torch.randn(shape, generator=gen) * LM_HEAD_STD
+            # Granite divides the logits by logits_scaling: scale the head up to keep their spread
+            t = torch.randn(shape, generator=gen) * (LM_HEAD_STD * float(cfg.get("logits_scaling", 1.0)))
         elif kind == "linear":
             t = torch.randn(shape, generator=gen) * (LINEAR_GAIN / math.sqrt(shape[1]))
         elif kind == "bias":
@@ -240,7 +287,9 @@ def random_weights(cfg: dict[str, Any], arch: str, seed: int, dtype) -> dict[str
             if name == "model.norm.weight" and tied:
                 # tied head = the small input embedding: scale the final norm instead, so the
                 # logits have the same spread as with an untied LM_HEAD_STD head
-                t = t * (LM_HEAD_STD / EMBED_STD)
+                t = t * (LM_HEAD_STD / embed_std)
+            if arch in NORM_OFFSET_ARCHS:
+                t = t - 1.0  # stored as w, applied as (1 + w): the same effective scale
         tensors[name] = t.to(dtype).contiguous()
     return tensors
 
@@ -292,7 +341,13 @@ def tiny_config(arch: str = "llama", size: str = "tiny", **overrides: Any) -> di
         cfg.update(sliding_window=None, use_sliding_window=False)
     elif arch == "mistral":
         cfg.update(sliding_window=None)
+    cfg.update(ARCH_CONFIG.get(arch, {}))
     cfg.update(overrides)
+    if cfg.get("layer_types") == "alternate":  # sliding, full, sliding, ... (Gemma 3 default is 5:1)
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    elif "layer_types" in cfg and cfg["layer_types"] is None:
+        del cfg["layer_types"]
     return cfg
 
 
@@ -340,7 +395,8 @@ def make_tiny_model(
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     full = dict(cfg)
     full.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    write_weights(out, random_weights(full, arch, seed, dtype), shards=shards)
+    shapes = _module_tensor_shapes(hf_cfg, bool(hf_cfg.tie_word_embeddings)) if arch in ARCH_CONFIG else None
+    write_weights(out, random_weights(full, arch, seed, dtype, shapes), shards=shards)
     return out
 
 

@@ -28,28 +28,36 @@ LAYER_MAP = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3
 }
 TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe",
-             "OlmoeForCausalLM": "olmoe"}
+             "OlmoeForCausalLM": "olmoe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
 # MoE: per-expert HF tensors -> llama.cpp's stacked [E, rows, cols] tensors; routers stay F32
 # (llama-quantize never quantizes ffn_gate_inp)
 EXPERT_MAP = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
               "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 ROUTER_MAP = {"mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
+# llama.cpp's names for the norms of the families with output norms (gguf.MODEL_TENSORS)
+POST_NORM_MAP = dict(LAYER_MAP, **{
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+})
 # offsets of the fp16 scale fields inside one block (gguf/quants.py dequantize_blocks)
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
 
-def to_gguf_name(hf_name: str) -> str:
+def to_gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in TOP_MAP:
         return TOP_MAP[hf_name]
     _, _, idx, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{idx}.{LAYER_MAP[rest]}"
+    return f"blk.{idx}.{(POST_NORM_MAP if arch in ('gemma2', 'gemma3', 'olmo2') else LAYER_MAP)[rest]}"
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -199,8 +207,10 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         w = w.astype(np.float32)
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             w = llamacpp_permute(w, heads if ".q_proj." in hf_name else kv)
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            w = w + 1  # convert_hf_to_gguf Gemma2Model / Gemma3Model: norms (q/k too) stored as (1 + w)
         t = qtype if w.ndim == 2 else "F32"
-        tensors[to_gguf_name(hf_name)] = (w if t == "F32" else encode_tensor(w, t, rng), t)
+        tensors[to_gguf_name(hf_name, arch)] = (w if t == "F32" else encode_tensor(w, t, rng), t)
     theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     rope = cfg.get("rope_scaling") or {}
     if (rope.get("rope_type") or rope.get("type")) == "llama3":
@@ -209,9 +219,28 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
           "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
           "head_count": heads, "head_count_kv": kv, "head_dim": head_dim, "rope_theta": theta,
           "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6)}
+    if arch == "gemma2":  # convert_hf_to_gguf Gemma2Model's keys (no query_pre_attn_scalar: see gguf_config)
+        hp["extra"] = {"gemma2.attention.sliding_window": int(cfg["sliding_window"]),
+                       "gemma2.attn_logit_softcapping": float(cfg["attn_logit_softcapping"]),
+                       "gemma2.final_logit_softcapping": float(cfg["final_logit_softcapping"])}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # convert_hf_to_gguf Phi3MiniModel
+        orig = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / orig
+        attn = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(orig))
+        tensors["rope_factors_long.weight"] = (np.array(rope["long_factor"], dtype=np.float32), "F32")
+        tensors["rope_factors_short.weight"] = (np.array(rope["short_factor"], dtype=np.float32), "F32")
+        hp["extra"] = {"phi3.rope.scaling.attn_factor": float(attn),
+                       "phi3.rope.scaling.original_context_length": int(orig)}
+    if arch == "gemma3":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", 10000.0)
+        hp["rope_theta"] = float(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+        hp["extra"] = {"gemma3.attention.sliding_window": int(cfg["sliding_window"]),
+                       "gemma3.rope.freq_base_swa": float(local)}
+        if cfg.get("final_logit_softcapping"):
+            hp["extra"]["gemma3.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
     n_exp = cfg.get("num_local_experts") or cfg.get("num_experts")
     if n_exp:
-        hp["extra"] = {f"{arch}.expert_count": n_exp, f"{arch}.expert_used_count": cfg["num_experts_per_tok"]}
+        hp["extra"] = {**hp.get("extra", {}), f"{arch}.expert_count": n_exp, f"{arch}.expert_used_count": cfg["num_experts_per_tok"]}
         if arch == "qwen3moe":
             hp["extra"][f"{arch}.expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     tok = tokenizer_fields(model_dir, "qwen2" if arch.startswith("qwen") else "gpt-2", add_bos=arch == "llama")

@@ -22,8 +22,8 @@ TEXTS = ["Hello world, the café is open. 日本語 🤖", "12345 apples\n\n  an
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral",
-                                  "mixtral", "qwen3moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "granite",
+                                  "olmo2", "mixtral", "qwen3moe", "olmoe"])
 def test_hf_loads_model_and_tokenizer(arch):
     from transformers import AutoTokenizer
 
@@ -123,7 +123,8 @@ def test_sharded_output(tmp_path):
     load_hf_model(d)
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen3", True)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen3", True), ("gemma2", True), ("phi3", False),
+                                       ("granite", False), ("olmo2", False), ("gemma3", True)])
 def test_greedy_outputs_are_varied_with_clear_margins(arch, tied):
     hf = load_hf_model(cached_model_dir(arch, tie_word_embeddings=tied))
     min_gaps, distinct = [], []
@@ -148,3 +149,12 @@ def test_cli(tmp_path, capsys):
     assert rc == 0 and "qwen2" in capsys.readouterr().out
     cfg = ModelConfig.from_dir(tmp_path / "cli")
     assert cfg.architecture == "Qwen2ForCausalLM" and cfg.tie_word_embeddings and cfg.hidden_size == 64
+
+
+@pytest.mark.parametrize("arch,architecture", [("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
+                                               ("phi3", "Phi3ForCausalLM"), ("granite", "GraniteForCausalLM"),
+                                               ("olmo2", "Olmo2ForCausalLM")])
+def test_cli_dense_families(tmp_path, capsys, arch, architecture):
+    rc = tiny_model.main([str(tmp_path / arch), "--arch", arch, "--size", "tiny"])
+    assert rc == 0 and arch in capsys.readouterr().out
+    assert ModelConfig.from_dir(tmp_path / arch).architecture == architecture

@@ -39,6 +39,11 @@ CASES = {
     "llama_odd_vocab": ("llama", {"vocab_size": 515}),
     "qwen2_bias": ("qwen2", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    # dense families: OLMo 2's q/k norm spans all heads (sum of squares all-reduced), Gemma 2's
+    # sliding window + soft-caps + sandwich norms, Phi-3's fused checkpoints sliced per rank
+    "olmo2": ("olmo2", {}),
+    "gemma2": ("gemma2", {}),
+    "phi3_fused": ("phi3", {}),
 }
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -62,6 +67,8 @@ def param_bytes(model) -> dict[str, int]:
     sizes = {"norms": 0, "sharded": 0}
     for name, p in model.named_parameters():
         key = "norms" if name.endswith("norm.weight") else "sharded"
+        if model.cfg.qk_norm_full and name.endswith(("q_norm.weight", "k_norm.weight")):
+            key = "sharded"  # OLMo 2: the norm's weight spans the projection, sliced like it
         sizes[key] += p.numel() * p.element_size()
     return sizes
 

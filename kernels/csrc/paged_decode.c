@@ -8,6 +8,9 @@
  * Layout (the engine's): q [B, Hq, D]; caches [num_blocks, block_size, Hk, D];
  * block_tables [B, bt_stride] int32; seq_lens [B] int32; out [B, Hq, D]. Query head h reads kv
  * head h / (Hq / Hk) (GQA). Softmax is online (running max and sum per query head), in fp32.
+ * Sliding window (zs_paged_decode_window_f32, window > 0): the query at position seq_len - 1
+ * reads only keys j >= seq_len - window (HF's sliding mask: the last `window` positions);
+ * softcap > 0 bends every scaled score to softcap * tanh(score / softcap) (Gemma 2).
  * A request with seq_len <= 0 gets zeros. With AVX2 + FMA and head_dim % 8 == 0, scores are
  * taken eight keys at a time (one reduction for eight dot products) and the weighted sum of V
  * keeps 64 output columns in registers over a chunk of keys; elsewhere plain C loops.
@@ -114,8 +117,8 @@ static inline void weighted_sum8(float *restrict acc, const float *const *v, con
 
 /* Attention of the `grp` query heads that share kv head `hk`, for one request. */
 static void decode_one(const float *restrict q, const float *restrict kc, const float *restrict vc,
-                       const int32_t *restrict table, int seq_len, float *restrict out,
-                       int hk, int Hk, int D, int BS, int grp, float scale) {
+                       const int32_t *restrict table, int start, int seq_len, float *restrict out,
+                       int hk, int Hk, int D, int BS, int grp, float scale, float softcap) {
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][CHUNK];
     float acc[MAX_GROUP][MAX_DIM];
     const int64_t row = (int64_t)Hk * D;  /* floats between consecutive tokens of a block */
@@ -124,7 +127,7 @@ static void decode_one(const float *restrict q, const float *restrict kc, const 
         l[g] = 0.f;
         memset(acc[g], 0, sizeof(float) * D);
     }
-    for (int t0 = 0; t0 < seq_len; t0 += CHUNK) {
+    for (int t0 = start; t0 < seq_len; t0 += CHUNK) {  /* start: the window's first key (0 = all) */
         const int n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
         const float *k[CHUNK];
         for (int i = 0; i < n; i++) {
@@ -153,6 +156,8 @@ static void decode_one(const float *restrict q, const float *restrict kc, const 
             for (; i + 4 <= n; i += 4) dot4(qg, k[i], k[i + 1], k[i + 2], k[i + 3], D, &s[g][i]);
             for (; i < n; i++) s[g][i] = dot(qg, k[i], D);
             for (i = 0; i < n; i++) s[g][i] *= scale;
+            if (softcap > 0.f)
+                for (i = 0; i < n; i++) s[g][i] = tanhf(s[g][i] / softcap) * softcap;
         }
         for (int g = 0; g < grp; g++) {
             float mx = m[g];
@@ -196,11 +201,12 @@ static int shape_ok(int Hq, int Hk, int D, int BS) {
 /* Task `task` of B * Hk: request task / Hk, kv head task % Hk, with its query heads. */
 static inline void run_task(int64_t task, const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
-                            int Hq, int Hk, int D, int BS, float scale) {
+                            int Hq, int Hk, int D, int BS, float scale, int window, float softcap) {
     const int grp = Hq / Hk, b = (int)(task / Hk), hk = (int)(task % Hk);
     const int64_t off = ((int64_t)b * Hq + (int64_t)hk * grp) * D;
-    decode_one(q + off, k_cache, v_cache, block_tables + b * bt_stride, seq_lens[b], out + off, hk, Hk, D, BS, grp,
-               scale);
+    const int start = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+    decode_one(q + off, k_cache, v_cache, block_tables + b * bt_stride, start, seq_lens[b], out + off, hk, Hk, D, BS,
+               grp, scale, softcap);
 }
 
 /* Returns 0 on success, -1 when a shape is outside the compiled limits. */
@@ -210,7 +216,20 @@ int zs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
     if (!shape_ok(Hq, Hk, D, BS)) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < (int64_t)B * Hk; task++)
-        run_task(task, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, D, BS, scale);
+        run_task(task, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, D, BS, scale, 0, 0.f);
+    return 0;
+}
+
+/* As zs_paged_decode_f32, each request attending to its last `window` keys only (window <= 0:
+ * all), scores soft-capped when softcap > 0. */
+int zs_paged_decode_window_f32(const float *q, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                               float *out, int B, int Hq, int Hk, int D, int BS, float scale, int threads,
+                               int window, float softcap) {
+    if (!shape_ok(Hq, Hk, D, BS)) return -1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < (int64_t)B * Hk; task++)
+        run_task(task, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, D, BS, scale, window, softcap);
     return 0;
 }
 
@@ -221,6 +240,6 @@ int zs_paged_decode_f32_part(const float *q, const float *k_cache, const float *
                              float *out, int B, int Hq, int Hk, int D, int BS, float scale, int threads, int id) {
     if (!shape_ok(Hq, Hk, D, BS)) return -1;
     for (int64_t task = id; task < (int64_t)B * Hk; task += threads)
-        run_task(task, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, D, BS, scale);
+        run_task(task, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, D, BS, scale, 0, 0.f);
     return 0;
 }

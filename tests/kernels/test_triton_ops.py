@@ -104,12 +104,15 @@ def test_write_kv(block_size, dtype):
 
 
 # --------------------------------------------------------------------------- attention
-def _run_attention(seq_lens, q_lens, hq, hk, d, bs, dtype=torch.float32, naive=False, **kw):
+def _run_attention(seq_lens, q_lens, hq, hk, d, bs, dtype=torch.float32, naive=False, window=None, softcap=None,
+                   **kw):
     q, kc, vc, meta = make_paged_batch(seq_lens, q_lens, hq, hk, d, bs, dtype=dtype,
                                        device=DEV, seed=sum(seq_lens))
     scale = d ** -0.5
-    out = tri.paged_attention_impl(q, kc, vc, meta, scale, **kw)
-    ref = ref_ops.paged_attention(q, kc, vc, meta, scale)
+    if softcap is not None:  # scores large enough that the cap bends them
+        q = q * 4
+    out = tri.paged_attention_impl(q, kc, vc, meta, scale, sliding_window=window, softcap=softcap, **kw)
+    ref = ref_ops.paged_attention(q, kc, vc, meta, scale, sliding_window=window, softcap=softcap)
     _close(out, ref, ATTN_TOL[dtype])
     if naive:
         torch.testing.assert_close(out.double().cpu(),
@@ -209,3 +212,21 @@ def test_get_ops_dispatch():
     assert get_ops("torch", "cpu") is ref_ops
     for name in ref_ops.__all__:
         assert callable(getattr(tri, name))
+
+
+# sliding window / soft-cap (Gemma 2/3, Mistral) against the torch twin: decode (split and not),
+# prefill, chunked prefill whose chunk straddles the window edge, mixed batches
+@pytest.mark.parametrize("window,softcap", [(5, None), (16, None), (37, None), (None, 2.0), (7, 3.0)])
+def test_attention_window_and_softcap(window, softcap):
+    seq_lens = [1, 15, 16, 17, 53]
+    _run_attention(seq_lens, [1] * 5, 8, 2, 64, 16, window=window, softcap=softcap)
+    _run_attention(seq_lens, [1] * 5, 8, 2, 64, 16, window=window, softcap=softcap, num_splits=3)
+    _run_attention([33, 50, 9, 70], [33, 13, 1, 20], 4, 2, 64, 16, window=window, softcap=softcap)
+    _run_attention([40, 21], [40, 5], 4, 2, 64, 32, window=window, softcap=softcap, block_m=16, block_n=16)
+
+
+def test_window_changes_the_output():
+    q, kc, vc, meta = make_paged_batch([40], [40], 4, 2, 64, 16, device=DEV, seed=3)
+    full = tri.paged_attention_impl(q, kc, vc, meta, 0.125)
+    win = tri.paged_attention_impl(q, kc, vc, meta, 0.125, sliding_window=8)
+    assert torch.equal(full[:8], win[:8]) and (full[8:] - win[8:]).abs().max() > 1e-2

@@ -62,6 +62,9 @@ _LAYER_NAMES = {
     # MoE routers (Mixtral's block is `block_sparse_moe`); experts: _EXPERT_RE below
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    # Phi-3's fused checkpoints: llama.cpp keeps them fused (ffn_up holds gate then up)
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 # llama.cpp stacks each layer's experts into one 3-D tensor per projection [E, rows, cols]
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -74,15 +77,24 @@ _TOP_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# families whose layers normalize block outputs (Gemma 2, OLMo 2): llama.cpp calls their norms
+# post_attention_norm / ffn_norm (the pre-MLP norm) / post_ffw_norm
+_POST_NORM_NAMES = dict(_LAYER_NAMES, **{
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+})
 
 
-def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name llama.cpp's converter gives an HF checkpoint tensor."""
+def gguf_name(hf_name: str, post_norm: bool = False) -> str:
+    """The GGUF tensor name llama.cpp's converter gives an HF checkpoint tensor
+    (`post_norm`: the model has Gemma 2 / OLMo 2 style output norms)."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
+    names = _POST_NORM_NAMES if post_norm else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"blk.{m.group(1)}.{names[m.group(2)]}"
     ex = expert_gguf_name(hf_name)
     if ex is not None:
         return ex[0]
@@ -196,10 +208,11 @@ def plan_gguf_pieces(model, gf: GGUFFile) -> list[_Piece]:
     if missing_params:  # a bug in the model code, not in the file
         raise RuntimeError(f"no checkpoint source for parameters {missing_params}")
     permute = model.cfg.family in ("llama", "mixtral")  # llama.cpp permutes q/k only for its llama arch
+    post_norm = model.cfg.norm_layout != "pre"
     pieces = []
     for pname, srcs in sources.items():
         for src in srcs:
-            name = gguf_name(src.hf_name)
+            name = gguf_name(src.hf_name, post_norm)
             t = tensors.get(name)
             expert = expert_gguf_name(src.hf_name)
             if t is None and expert is not None:  # llama.cpp before 2024-04: one 2-D tensor per expert
@@ -236,7 +249,7 @@ def plan_packed(model, pieces: list[_Piece]) -> dict[str, list[_Piece]]:
     for pname, mod in model.quantizable().items():
         ps = by_param.get(pname, [])
         types = sorted({p.type_name for p in ps})
-        names = [gguf_name(p.src.hf_name) for p in ps]
+        names = [gguf_name(p.src.hf_name, model.cfg.norm_layout != "pre") for p in ps]
         if not ps or any(t not in Q.PACKED_GGUF_TYPES for t in types):
             for t in types:
                 if t not in Q.PACKED_GGUF_TYPES and t not in ("F32", "F16", "BF16"):

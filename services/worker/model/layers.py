@@ -148,6 +148,19 @@ class ColumnParallelLinear(QuantizableWeight):
         return out
 
 
+    def fused_sources(self, hf_name: str) -> list[WeightSource]:
+        """Checkpoint pieces when the parts are stored fused in one tensor `hf_name` (Phi-3's
+        qkv_proj / gate_up_proj): part i's rows start at the sum of the parts before it, and
+        this rank reads its slice of each part, so the shard equals the unfused layout's."""
+        out, dst, base = [], 0, 0
+        full_rows = sum(self.full_part_sizes)
+        for full, shard in zip(self.full_part_sizes, self.shard_part_sizes):
+            out.append(WeightSource(hf_name, (full_rows, self.in_features), 0, base + self.tp.rank * shard, shard, dst))
+            dst += shard
+            base += full
+        return out
+
+
 class RowParallelLinear(QuantizableWeight):
     """y = all_reduce(x_shard @ W[:, shard]^T): input features split across ranks."""
 
@@ -254,17 +267,23 @@ class ParallelLMHead(QuantizableWeight):
 
 # --------------------------------------------------------------------------- norm / rope
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops, device, dtype):
+    """RMSNorm scaled by `offset + weight` (offset 1: Gemma's HF checkpoints store w - 1)."""
+
+    def __init__(self, size: int, eps: float, ops, device, dtype, offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.ops = ops
         self.size = size
+        self.offset = offset
         self.weight = _param((size,), device, dtype)
+
+    def scale(self) -> torch.Tensor:
+        return self.weight if not self.offset else self.weight + self.offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.scale(), self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.scale(), self.eps)
 
     def sources(self, hf_name: str) -> list[WeightSource]:
         return [WeightSource(hf_name, (self.size,))]
@@ -276,6 +295,10 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Ten
     inv_freq = 1.0 / (theta ** exponents)
     if not scaling:
         return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "longrope":  # the short factors; RotaryEmbedding adds the long table
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** exponents)
     if scaling["rope_type"] != "llama3":
         raise ModelLoadError(f"unsupported rope scaling type {scaling['rope_type']!r}")
     factor = scaling["factor"]
@@ -297,8 +320,20 @@ def build_cos_sin_cache(max_pos: int, rot_dim: int, theta: float, scaling: dict 
     """[max_pos, rot_dim] fp32, row p = [cos(p * f) | sin(p * f)]."""
     inv_freq = rope_inv_freq(rot_dim, theta, scaling)
     pos = torch.arange(max_pos, dtype=torch.int64).float()
+    table = _cos_sin(pos, inv_freq)
+    if scaling and scaling["rope_type"] == "longrope":
+        # rows [max_pos, 2 max_pos): the long factors (a token whose request is past
+        # original_max_position_embeddings reads them, see RotaryEmbedding.rope_positions);
+        # both scaled by the attention factor, as transformers scales cos and sin
+        exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+        long_freq = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta ** exponents)
+        table = torch.cat((table, _cos_sin(pos, long_freq))) * scaling["attention_factor"]
+    return table.to(device)
+
+
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     angles = pos[:, None] * inv_freq[None, :]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -310,7 +345,22 @@ class RotaryEmbedding(nn.Module):
         self.ops = ops
         self.rot_dim = rot_dim
         self.max_pos = max_pos
+        self.scaling = scaling
         self.cos_sin_cache = build_cos_sin_cache(max_pos, rot_dim, theta, scaling, device)
+
+    def rope_positions(self, positions: torch.Tensor, meta) -> torch.Tensor:
+        """Rows of the table each token reads: its position, or (LongRoPE) position + max_pos
+        when its request holds more than original_max_position_embeddings tokens after this
+        step. transformers picks the factors per forward by the longest position in it, so one
+        request prefilled in one piece, then decoded, reads exactly what HF reads."""
+        if self.scaling is None or self.scaling["rope_type"] != "longrope":
+            return positions
+        qsl = meta.query_start_loc.long()
+        per_req = meta.seq_lens.long() > self.scaling["original_max_position_embeddings"]
+        flag = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
+        n = int(qsl[-1])
+        flag[:n] = torch.repeat_interleave(per_req.long(), qsl[1:] - qsl[:-1], output_size=n)
+        return positions + flag * self.max_pos
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.cos_sin_cache.device != q.device:

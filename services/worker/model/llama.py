@@ -3,10 +3,12 @@
 One flat batch per forward: `input_ids[T]`, `positions[T]` and the paged-KV metadata describe
 prefill chunks and decode tokens of many requests mixed; nothing here loops over requests.
 Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) swap the MLP of their sparse layers
-for services/worker/model/moe.py's block; OLMoE norms q/k over the whole projection.
-The differences between the dense families are three switches read from ModelConfig:
+for services/worker/model/moe.py's block.
+The differences between the families are switches read from ModelConfig:
 `attention_bias` (Qwen2 q/k/v bias), `qk_norm` (Qwen3 per-head RMSNorm before RoPE) and
-`tie_word_embeddings`.
+`tie_word_embeddings`; the dense families of common/dense_families.py add the activation,
+norm offset and layout (post_norm.py holds the Gemma / OLMo 2 layer), multipliers, soft-caps,
+per-layer sliding windows and RoPE bases, whole-projection q/k norms and fused checkpoints.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ from services.worker.model.moe import ShardedRMSNorm, SparseMoeBlock, moe_prefix
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPInfo, ops, rotary: RotaryEmbedding, device, dtype):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPInfo, ops, rotary: RotaryEmbedding, device, dtype,
+                 window: int | None = None):
         super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.window = window  # sliding window of this layer (None = full attention)
+        self.softcap = cfg.attn_logit_softcap
         self.ops = ops
         self.prefix = prefix
         d = cfg.head_dim
@@ -41,7 +48,7 @@ class Attention(nn.Module):
         self.num_kv_heads = divide(cfg.num_kv_heads, tp.size, "num_key_value_heads")
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
-        self.scale = d ** -0.5
+        self.scale = d ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], tp,
             cfg.attention_bias, device, dtype,
@@ -51,14 +58,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, device, dtype,
                                         what="o_proj input (num_attention_heads*head_dim)", bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
-        self.qk_norm_full = cfg.qk_norm_full  # OLMoE: over the whole projection (all heads of all shards)
+        off = cfg.norm_weight_offset
+        self.qk_norm_full = cfg.qk_norm_full  # OLMo 2, OLMoE: over the whole projection (all heads of all shards)
         self.clip_qkv = cfg.clip_qkv
         if cfg.qk_norm_full:
             self.q_norm = ShardedRMSNorm(self.q_size, cfg.num_heads * d, cfg.rms_norm_eps, tp, device, dtype)
             self.k_norm = ShardedRMSNorm(self.kv_size, cfg.num_kv_heads * d, cfg.rms_norm_eps, tp, device, dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype, offset=off)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops, device, dtype, offset=off)
         self._rotary = [rotary]  # shared across layers; a list keeps it out of submodules
 
     def forward(self, positions, hidden, kv_cache, meta):
@@ -78,14 +86,20 @@ class Attention(nn.Module):
         q, k = self._rotary[0](positions, q, k)
         k_cache, v_cache = kv_cache
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        if self.window is None and self.softcap is None:
+            out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        else:
+            out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                           sliding_window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 
     def weight_sources(self) -> dict[str, list[WeightSource]]:
         p = self.prefix
         names = [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"]
+        qkv = (self.qkv_proj.fused_sources(f"{p}.qkv_proj.weight") if self.cfg.fused_qkv
+               else self.qkv_proj.sources([n + ".weight" for n in names], "weight"))
         out = {
-            "qkv_proj.weight": self.qkv_proj.sources([n + ".weight" for n in names], "weight"),
+            "qkv_proj.weight": qkv,
             "o_proj.weight": self.o_proj.sources(f"{p}.o_proj.weight"),
         }
         if self.qkv_proj.bias is not None:
@@ -103,18 +117,22 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.prefix = prefix
+        self.fused = cfg.fused_gate_up
+        self.act_and_mul = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
         i = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [i, i], tp, False, device, dtype,
                                                  part_names=["intermediate_size", "intermediate_size"])
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp, device, dtype, what="intermediate_size")
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
     def weight_sources(self) -> dict[str, list[WeightSource]]:
         p = self.prefix
+        gate_up = (self.gate_up_proj.fused_sources(f"{p}.gate_up_proj.weight") if self.fused
+                   else self.gate_up_proj.sources([f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]))
         return {
-            "gate_up_proj.weight": self.gate_up_proj.sources([f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
+            "gate_up_proj.weight": gate_up,
             "down_proj.weight": self.down_proj.sources(f"{p}.down_proj.weight"),
         }
 
@@ -126,12 +144,14 @@ class DecoderLayer(nn.Module):
         prefix = f"model.layers.{idx}"
         self.prefix = prefix
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, device, dtype)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, ops, rotary, device, dtype)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, ops, rotary, device, dtype,
+                                   window=cfg.layer_window(idx))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, device, dtype)
         if cfg.is_moe_layer(idx):  # mixture of experts: services/worker/model/moe.py
             self.mlp = SparseMoeBlock(cfg, moe_prefix(cfg, prefix), tp, ops, device, dtype, expert_parallel)
         else:
             self.mlp = MLP(cfg, f"{prefix}.mlp", tp, ops, device, dtype)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: block outputs scaled before the add
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         # pre-norm block with the residual add fused into the next norm
@@ -141,8 +161,13 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
     def weight_sources(self) -> dict[str, list[WeightSource]]:
         out = {
@@ -180,12 +205,21 @@ class CausalLM(nn.Module):
 
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, ops, self.device)
+        # Gemma 3: the sliding layers rotate with their own base (plain RoPE)
+        self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
+                                             None, ops, self.device) if cfg.rope_local_theta is not None else None)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype)
+        layer_cls = DecoderLayer
+        if cfg.norm_layout != "pre":
+            from services.worker.model.post_norm import PostNormDecoderLayer as layer_cls
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.tp, ops, self.rotary, self.device, dtype, expert_parallel)
+            layer_cls(cfg, i, self.tp, ops,
+                      self.rotary_local if self.rotary_local is not None and cfg.layer_window(i) else self.rotary,
+                      self.device, dtype, expert_parallel)
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, self.device, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, self.device, dtype,
+                            offset=cfg.norm_weight_offset)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype,
                                       tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
@@ -194,6 +228,9 @@ class CausalLM(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids)
+        if self.cfg.embedding_multiplier != 1.0:  # Gemma sqrt(hidden), Granite embedding_multiplier
+            hidden = hidden * self.cfg.embedding_multiplier
+        positions = self.rotary.rope_positions(positions, meta)  # LongRoPE: short or long rows
         step = self._cpu_step()
         if step is not None and step.applies(meta, hidden, kv_caches):
             return step(hidden, positions, kv_caches, meta)  # the same layers, in one compiled call
@@ -224,7 +261,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[N, H] -> logits[N, vocab_size] float32 over the full vocabulary."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.cfg.logits_scaling != 1.0:  # Granite
+            logits = logits / self.cfg.logits_scaling
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def quantizable(self) -> dict[str, QuantizableWeight]:
         """Parameter name -> the module holding it, for every weight that may be packed: the
