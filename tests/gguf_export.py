@@ -34,7 +34,7 @@ TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
+             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite"}
 # llama.cpp's names for the norms of the families with output norms (gguf.MODEL_TENSORS)
 POST_NORM_MAP = dict(LAYER_MAP, **{
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -175,7 +175,7 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     for hf_name, w in weights.items():
         w = w.astype(np.float32)
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        if arch in ("llama", "granite") and (".q_proj." in hf_name or ".k_proj." in hf_name):
             w = llamacpp_permute(w, heads if ".q_proj." in hf_name else kv)
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1  # convert_hf_to_gguf Gemma2Model / Gemma3Model: norms (q/k too) stored as (1 + w)
@@ -201,6 +201,11 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         tensors["rope_factors_short.weight"] = (np.array(rope["short_factor"], dtype=np.float32), "F32")
         hp["extra"] = {"phi3.rope.scaling.attn_factor": float(attn),
                        "phi3.rope.scaling.original_context_length": int(orig)}
+    if arch == "granite":  # convert_hf_to_gguf GraniteModel
+        hp["extra"] = {"granite.embedding_scale": float(cfg["embedding_multiplier"]),
+                       "granite.residual_scale": float(cfg["residual_multiplier"]),
+                       "granite.attention.scale": float(cfg["attention_multiplier"]),
+                       "granite.logit_scale": float(cfg["logits_scaling"])}
     if arch == "gemma3":
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", 10000.0)
         hp["rope_theta"] = float(cfg["rope_parameters"]["full_attention"]["rope_theta"])
