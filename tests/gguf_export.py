@@ -28,8 +28,11 @@ LAYER_MAP = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3
 }
+# Phi-3's fused tensors keep their fusion in llama.cpp (ffn_up = gate then up); a map of their
+# own, so LAYER_MAP stays one-to-one (tests invert it)
+FUSED_MAP = dict(LAYER_MAP, **{"self_attn.qkv_proj.weight": "attn_qkv.weight",
+                               "mlp.gate_up_proj.weight": "ffn_up.weight"})
 TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -51,7 +54,8 @@ def to_gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in TOP_MAP:
         return TOP_MAP[hf_name]
     _, _, idx, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{idx}.{(POST_NORM_MAP if arch in ('gemma2', 'gemma3', 'olmo2') else LAYER_MAP)[rest]}"
+    table = POST_NORM_MAP if arch in ("gemma2", "gemma3", "olmo2") else FUSED_MAP if arch == "phi3" else LAYER_MAP
+    return f"blk.{idx}.{table[rest]}"
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
