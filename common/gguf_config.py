@@ -41,6 +41,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }  # a "llama" file with {arch}.expert_count > 0 is Mixtral (llama.cpp converts it as llama)
 SUPPORTED_GGUF_ROPE = ("none", "llama3 (rope_freqs.weight)")
 
@@ -270,6 +271,10 @@ def _moe_keys(key, arch: str, hf: dict[str, Any], tensors: dict[str, Any]) -> di
 
 def _family_keys(arch: str, key, hidden: int, heads: int, head_dim: int, source: str) -> dict[str, Any]:
     """HF config keys of the dense families that GGUF spells as `<arch>.*` metadata."""
+    if arch == "granite":  # convert_hf_to_gguf GraniteModel: the four multipliers as *_scale keys
+        names = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                 "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+        return {hf_key: float(key(g, required=True)) for hf_key, g in names.items()}
     if arch not in ("gemma2", "gemma3"):
         return {}
     window = key("attention.sliding_window")

@@ -28,14 +28,18 @@ LAYER_MAP = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3
 }
+# Phi-3's fused tensors keep their fusion in llama.cpp (ffn_up = gate then up); a map of their
+# own, so LAYER_MAP stays one-to-one (tests invert it)
+FUSED_MAP = dict(LAYER_MAP, **{"self_attn.qkv_proj.weight": "attn_qkv.weight",
+                               "mlp.gate_up_proj.weight": "ffn_up.weight"})
 TOP_MAP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe",
              "OlmoeForCausalLM": "olmoe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
+             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
+             "GraniteForCausalLM": "granite"}
 # MoE: per-expert HF tensors -> llama.cpp's stacked [E, rows, cols] tensors; routers stay F32
 # (llama-quantize never quantizes ffn_gate_inp)
 EXPERT_MAP = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
@@ -57,7 +61,8 @@ def to_gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in TOP_MAP:
         return TOP_MAP[hf_name]
     _, _, idx, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{idx}.{(POST_NORM_MAP if arch in ('gemma2', 'gemma3', 'olmo2') else LAYER_MAP)[rest]}"
+    table = POST_NORM_MAP if arch in ("gemma2", "gemma3", "olmo2") else FUSED_MAP if arch == "phi3" else LAYER_MAP
+    return f"blk.{idx}.{table[rest]}"
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -205,7 +210,7 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
     weights = _stack_experts(weights, tensors, qtype, rng)
     for hf_name, w in weights.items():
         w = w.astype(np.float32)
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        if arch in ("llama", "granite") and (".q_proj." in hf_name or ".k_proj." in hf_name):
             w = llamacpp_permute(w, heads if ".q_proj." in hf_name else kv)
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1  # convert_hf_to_gguf Gemma2Model / Gemma3Model: norms (q/k too) stored as (1 + w)
@@ -231,6 +236,11 @@ def export_hf_dir(model_dir: str | Path, out_path: str | Path, qtype: str = "F32
         tensors["rope_factors_short.weight"] = (np.array(rope["short_factor"], dtype=np.float32), "F32")
         hp["extra"] = {"phi3.rope.scaling.attn_factor": float(attn),
                        "phi3.rope.scaling.original_context_length": int(orig)}
+    if arch == "granite":  # convert_hf_to_gguf GraniteModel
+        hp["extra"] = {"granite.embedding_scale": float(cfg["embedding_multiplier"]),
+                       "granite.residual_scale": float(cfg["residual_multiplier"]),
+                       "granite.attention.scale": float(cfg["attention_multiplier"]),
+                       "granite.logit_scale": float(cfg["logits_scaling"])}
     if arch == "gemma3":
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", 10000.0)
         hp["rope_theta"] = float(cfg["rope_parameters"]["full_attention"]["rope_theta"])

@@ -197,7 +197,8 @@ def test_cpu_paged_decode_window_and_softcap_match_twin():
 # --------------------------------------------------------------------------- GGUF
 # Gemma 3 GGUFs carry no layer_types: llama.cpp's pattern (every 6th layer full) applies, so the
 # tiny model has 6 layers in HF's default pattern (5 sliding, 1 full)
-GGUF_CASES = {"gemma2": {}, "olmo2": {}, "gemma3": {"layer_types": None, "num_hidden_layers": 6}, "phi3": {}}
+GGUF_CASES = {"gemma2": {}, "olmo2": {}, "gemma3": {"layer_types": None, "num_hidden_layers": 6}, "phi3": {},
+              "granite": {}}
 
 
 @pytest.mark.parametrize("arch", list(GGUF_CASES))
@@ -215,8 +216,10 @@ def test_dense_gguf_matches(tmp_path, arch, qtype):
     cfg, hf_cfg = ModelConfig.from_dir(g), ModelConfig.from_dir(d)
     for k in ("architecture", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "layer_types",
               "sliding_window", "attention_scale", "attn_logit_softcap", "final_logit_softcap", "norm_layout",
-              "qk_norm_full", "qk_norm", "hidden_act", "embedding_multiplier", "rope_theta", "rope_local_theta"):
-        assert getattr(cfg, k) == getattr(hf_cfg, k), k
+              "qk_norm_full", "qk_norm", "hidden_act", "embedding_multiplier", "rope_theta", "rope_local_theta",
+              "residual_multiplier", "logits_scaling"):
+        want = getattr(hf_cfg, k)  # GGUF floats are fp32
+        assert getattr(cfg, k) == (pytest.approx(want, rel=1e-7) if isinstance(want, float) else want), k
     assert cfg.norm_weight_offset == 0.0 and hf_cfg.norm_weight_offset == (1.0 if arch.startswith("gemma") else 0.0)
     if arch == "phi3":
         a, b = cfg.rope_scaling, hf_cfg.rope_scaling  # GGUF keeps the factors as fp32

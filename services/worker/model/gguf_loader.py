@@ -207,7 +207,8 @@ def plan_gguf_pieces(model, gf: GGUFFile) -> list[_Piece]:
     missing_params = sorted(set(params) - set(sources))
     if missing_params:  # a bug in the model code, not in the file
         raise RuntimeError(f"no checkpoint source for parameters {missing_params}")
-    permute = model.cfg.family in ("llama", "mixtral")  # llama.cpp permutes q/k only for its llama arch
+    # llama.cpp permutes q/k rows for the archs its converter derives from LlamaModel
+    permute = model.cfg.family in ("llama", "mixtral", "granite")
     post_norm = model.cfg.norm_layout != "pre"
     pieces = []
     for pname, srcs in sources.items():
