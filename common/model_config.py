@@ -110,6 +110,13 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def kv_window(self) -> int | None:
+        """The most positions back any layer attends to, when every layer slides (the scheduler
+        frees KV blocks before it); None when some layer attends to the whole context."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if not windows or None in windows else max(windows)
+
+    @property
     def llama_shape(self) -> bool:
         """True when the model is the plain Llama/Qwen decoder the compiled CPU decode step runs."""
         return (self.family in ("llama", "qwen2", "qwen3") and self.sliding_window is None

@@ -61,7 +61,8 @@ class LLMEngine:
         self.runner = ModelRunner(args, self.model_cfg)
         self.block_manager = BlockManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   max_len, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size)
+                                   max_len, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size,
+                                   self.model_cfg.kv_window)
         self.rng = random.Random(args.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}

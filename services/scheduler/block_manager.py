@@ -146,12 +146,26 @@ class BlockManager:
 
     def release(self, req: Request) -> None:
         """Drop `req`'s references; tail blocks go first to the LRU end (evicted first)."""
-        for b in reversed(req.block_ids):
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                self.free[b] = None
+        for b in reversed(req.block_ids[req.num_released:]):
+            self._decref(b)
         req.block_ids = []
         req.block_hashes = []
+        req.num_released = 0
+
+    def release_leading(self, req: Request, num_blocks: int) -> int:
+        """Give back `req`'s first `num_blocks` blocks, which no layer will read again (every
+        layer slides past them); their ids stay in `req.block_ids` for the worker's positional
+        block table, their content stays in the prefix cache until reused. -> blocks freed."""
+        start = req.num_released
+        for b in req.block_ids[start:num_blocks]:
+            self._decref(b)
+        req.num_released = max(start, min(num_blocks, len(req.block_ids)))
+        return req.num_released - start
+
+    def _decref(self, block: int) -> None:
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block] == 0:
+            self.free[block] = None
 
     def reset(self) -> None:
         """Forget everything (the group's workers lost their KV)."""

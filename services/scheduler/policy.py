@@ -78,8 +78,11 @@ class _StepBuilder:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: list[int], vocab_size: int = 0) -> None:
+                 max_model_len: int, eos_token_ids: list[int], vocab_size: int = 0,
+                 kv_window: int | None = None) -> None:
         self.bm = block_manager
+        # every layer attends to at most the last kv_window positions (None: some layer reads all)
+        self.kv_window = kv_window
         self.vocab_size = vocab_size  # the width of constrained requests' bitmasks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,6 +127,9 @@ class Scheduler:
         self._dropped = []
         budget = self.max_num_batched_tokens
         preempted = False
+
+        if self.kv_window is not None:
+            self._release_outside_window()
 
         # 1. running requests: decodes and continuing prefills
         i = 0
@@ -181,6 +187,17 @@ class Scheduler:
                 out.scheduled(req)
                 budget -= num_new
         return out.build()
+
+    def _release_outside_window(self) -> None:
+        """Blocks before every layer's window go back to the pool. The next query of a running
+        request is at position num_computed_tokens and reads keys > that - kv_window (HF's
+        convention), so a block ending at or before that bound is never read again (the previous
+        step is done: one step per group is in flight). Siblings of n > 1 share prompt blocks
+        and keep theirs."""
+        bs, w = self.bm.block_size, self.kv_window
+        for req in self.running:
+            if req.siblings is None:
+                self.bm.release_leading(req, max(0, (req.num_computed_tokens - w + 1) // bs))
 
     def _commit(self, req: Request, num_new: int) -> None:
         req.num_computed_tokens += num_new
@@ -279,6 +296,7 @@ class Scheduler:
         for req in reqs:
             req.block_ids = []
             req.block_hashes = []
+            req.num_released = 0
             req.num_computed_tokens = 0
             req.num_cached_tokens = 0
             req.status = Status.WAITING
