@@ -64,7 +64,7 @@ class LLMEngine:
                                    max_len, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size,
                                    self.model_cfg.kv_window)
         self.rng = random.Random(args.seed)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}
         self._next_id = 0
 

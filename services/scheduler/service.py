@@ -119,17 +119,19 @@ class SchedulerService:
         # tokenizers load first in the pool (FIFO): a prompt's job waits for its model's
         self.tokenizers = {name: self.pool.submit(self._load_tokenizer, name, info.cfg.model_dir)
                            for name, info in models.items()}
-        for name, fut in self.tokenizers.items():
-            fut.add_done_callback(lambda f, name=name: self._tokenizer_loaded(name, f))
-        self.tok_results: queue.SimpleQueue = queue.SimpleQueue()
-        self.grammar_compilers: dict[str, GrammarCompiler] = {}  # per model, made on first use
-        self.grammar_lock = threading.Lock()
+        # structured outputs: each model's compiler prepares its tokenizer on its first constraint
+        self.grammars = {name: GrammarCompiler(fut.result, models[name].cfg.vocab_size,
+                                               models[name].cfg.eos_token_ids)
+                         for name, fut in self.tokenizers.items()}
+        self.posted: queue.SimpleQueue = queue.SimpleQueue()  # pool -> loop: calls to run on the loop
         wake_addr = f"inproc://sched-wake-{self.id}"
         self.wake_rx = self.ctx.socket(zmq.PAIR)
         self.wake_rx.bind(wake_addr)
         self.wake_tx = self.ctx.socket(zmq.PAIR)
         self.wake_tx.connect(wake_addr)
         self.wake_lock = threading.Lock()
+        for name, fut in self.tokenizers.items():
+            fut.add_done_callback(lambda f, name=name: self._tokenizer_loaded(name, f))
         self.poller = zmq.Poller()
         for s in (self.client_sock, self.backend, self.wake_rx):
             self.poller.register(s, zmq.POLLIN)
@@ -164,7 +166,7 @@ class SchedulerService:
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
                         self.wake_rx.recv()
-                    self._on_tokenized()
+                    self._run_posted()
                 now = time.monotonic()
                 self._send(self.cluster.tick(now))
                 self._send(self.cluster.dispatch(now))
@@ -228,6 +230,20 @@ class SchedulerService:
 
         ch.dispatch(table, on_bad=on_bad, on_error=on_error, limit=limit)
 
+    def _post(self, fn) -> None:
+        """From a pool thread: run `fn` on the loop (which owns the state and the sockets)."""
+        self.posted.put(fn)
+        with self.wake_lock:
+            self.wake_tx.send(b"", zmq.NOBLOCK)
+
+    def _run_posted(self) -> None:
+        while True:
+            try:
+                fn = self.posted.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
     def _tokenizer_loaded(self, name: str, fut) -> None:  # a pool thread
         parser = self.cfg.tool_call_parser
         if parser == "auto":
@@ -235,21 +251,12 @@ class SchedulerService:
                 parser = parser_for_template(self.chat_template or getattr(fut.result(), "chat_template", None)) or ""
             except Exception:  # noqa: BLE001 - the load failure is logged where it happened
                 parser = ""
-        self.tok_results.put((None, name, None, parser))  # to the loop, which owns the state
-        with self.wake_lock:
-            self.wake_tx.send(b"", zmq.NOBLOCK)
 
-    def _on_tokenized(self) -> None:
-        while True:
-            try:
-                key, ids, err, grammar = self.tok_results.get_nowait()
-            except queue.Empty:
-                return
-            if key is None:  # a model's tokenizer loaded: ids is its name, grammar its tool-call parser
-                self.cluster.models[ids].tool_call_parser = grammar
-                log.info("tool calls", model=ids, parser=grammar or "none recognised")
-                continue
-            self._send(self.cluster.on_tokenized(key, ids, err, time.monotonic(), grammar))
+        def record() -> None:
+            self.cluster.models[name].tool_call_parser = parser
+            log.info("tool calls", model=name, parser=parser or "none recognised")
+
+        self._post(record)
 
     @staticmethod
     def _load_tokenizer(name: str, model_dir: str):
@@ -276,27 +283,17 @@ class SchedulerService:
             else:
                 out = loading.result().encode(text)
             # the grammar compiles here too, off the loop (xgrammar releases the GIL), cached
-            return out, (self._grammars(model).compile(constraint) if constraint is not None else None)
+            return out, (self.grammars[model].compile(constraint) if constraint is not None else None)
 
         self.pool.submit(job).add_done_callback(lambda f: self._tokenized(key, f))
-
-    def _grammars(self, model: str) -> GrammarCompiler:
-        with self.grammar_lock:
-            gc = self.grammar_compilers.get(model)
-            if gc is None:
-                cfg = self.cluster.models[model].cfg
-                gc = self.grammar_compilers[model] = GrammarCompiler(self.tokenizers[model].result(), cfg.vocab_size,
-                                                                     cfg.eos_token_ids)
-            return gc
 
     def _tokenized(self, key: str, fut) -> None:  # runs in a pool thread
         try:
             ids, grammar = fut.result()
-            self.tok_results.put((key, ids, None, grammar))
+            err = None
         except Exception as e:  # noqa: BLE001 - any tokenizer failure refuses the request, in words
-            self.tok_results.put((key, None, e, None))
-        with self.wake_lock:
-            self.wake_tx.send(b"", zmq.NOBLOCK)
+            ids, grammar, err = None, None, e
+        self._post(lambda: self._send(self.cluster.on_tokenized(key, ids, err, time.monotonic(), grammar)))
 
     # ================================================================ messages out
     def _send(self, ob: Outbox) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,8 +51,8 @@ class GrammarCompiler:
     The tokenizer's preparation (~0.4 s for a 49k vocabulary) happens on the first constraint,
     in whichever thread asks first (the scheduler's pool, never its loop)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer  # called once, on the first constraint (it may still be loading)
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler = None
@@ -62,7 +63,7 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer(), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                                      cache_limit_bytes=CACHE_LIMIT_BYTES)
@@ -132,9 +133,6 @@ class Constraint:
         ok = self.matcher.accept_token(token_id)
         self.terminated = self.matcher.is_terminated()
         return ok
-
-    def accept_all(self, token_ids: list[int]) -> bool:
-        return all(self.accept(t) for t in token_ids)
 
 
 def new_bitmask(rows: int, vocab_size: int) -> np.ndarray:

@@ -304,11 +304,12 @@ def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
     raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
 
     x = apply_penalties(logits, t)
-    unbanned = x
+    unbanned = x  # a grammar row the bans leave empty falls back to it: the bans must not touch it
+    grammar = t.bitmask is not None and t.bitmask_rows.numel()
     if t.banned_rows is not None and t.banned_rows.numel():
-        x = x.clone()
+        x = x.clone() if x is logits or grammar else x
         x.index_put_((t.banned_rows, t.banned_tokens), torch.tensor(float("-inf"), device=x.device))
-    if t.bitmask is not None and t.bitmask_rows.numel():
+    if grammar:
         x = _apply_grammar(x, logits, unbanned, t)
 
     greedy_tok = torch.argmax(x, dim=-1)
