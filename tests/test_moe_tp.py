@@ -7,10 +7,6 @@ two prefills, decodes, a mixed batch): each loads its slice, runs the steps, sav
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +19,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.helpers import cached_model_dir, load_our_model, torch_single_thread  # noqa: F401,E402
-from tests.test_tp import _free_port, param_bytes, run_scenario  # noqa: E402
+from tests.test_tp import param_bytes, rank_cli, run_ranks, run_scenario  # noqa: E402
 
 TP = 2
 CASES = {
@@ -78,29 +74,14 @@ def test_moe_tp2_and_ep2_match_tp1(tmp_path):
         elif qtype is not None:
             d = export_hf_dir(d, tmp_path / f"{name}.gguf", qtype=qtype)
         cases[name] = (str(d), ep)
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = []
-    for rank in range(TP):
-        cmd = [sys.executable, __file__, "--rank", str(rank), "--world", str(TP), "--port", str(port),
-               "--cases", json.dumps(cases), "--out", str(tmp_path / f"rank{rank}.pt")]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    ref = {}
-    for name, (d, _) in cases.items():
-        cfg, model = load_our_model(d)
-        ref[name] = {"logits": run_scenario(model, cfg.vocab_size), "bytes": param_bytes(model), "cfg": cfg}
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed (rc={p.returncode}):\n{out[-4000:]}"
-    shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(TP)]
+    def reference():
+        out = {}
+        for name, (d, _) in cases.items():
+            cfg, model = load_our_model(d)
+            out[name] = {"logits": run_scenario(model, cfg.vocab_size), "bytes": param_bytes(model), "cfg": cfg}
+        return out
+
+    ref, shards = run_ranks(__file__, TP, cases, tmp_path, reference, timeout=300)
     for name, (_, ep, qtype) in CASES.items():
         want, cfg = ref[name]["logits"], ref[name]["cfg"]
         for r in range(TP):
@@ -122,11 +103,4 @@ def test_moe_tp2_and_ep2_match_tp1(tmp_path):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--cases", required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    _worker(a.rank, a.world, a.port, json.loads(a.cases), a.out)
+    rank_cli(_worker)

@@ -73,6 +73,44 @@ def param_bytes(model) -> dict[str, int]:
     return sizes
 
 
+def run_ranks(script: str, world: int, payload, tmp_path: Path, meanwhile, timeout: float):
+    """Run `script` as `world` gloo ranks (`--rank R --world W --port P --payload JSON --out F`,
+    see rank_cli), call `meanwhile()` while they work, wait for them (killed on any failure) ->
+    (what meanwhile returned, each rank's torch.save'd results)."""
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, script, "--rank", str(rank), "--world", str(world), "--port", str(port),
+               "--payload", json.dumps(payload), "--out", str(tmp_path / f"rank{rank}.pt")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        here = meanwhile()
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed (rc={p.returncode}):\n{out[-4000:]}"
+    return here, [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def rank_cli(worker) -> None:
+    """A rank's entry point (run_ranks' command line): worker(rank, world, port, payload, out)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--payload", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    worker(a.rank, a.world, a.port, json.loads(a.payload), a.out)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,34 +136,15 @@ def _worker(rank: int, world: int, port: int, dirs: dict[str, str], out_path: st
 
 def test_tp2_matches_tp1(tmp_path):
     dirs = {name: str(cached_model_dir(arch, **ov)) for name, (arch, ov) in CASES.items()}
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = []
-    for rank in range(TP):
-        cmd = [sys.executable, __file__, "--rank", str(rank), "--world", str(TP), "--port", str(port),
-               "--dirs", json.dumps(dirs), "--out", str(tmp_path / f"rank{rank}.pt")]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-
     # the tp=1 reference runs here while the shards work
-    ref = {}
-    for name, d in dirs.items():
-        cfg, model = load_our_model(d)
-        ref[name] = {"logits": run_scenario(model, cfg.vocab_size), "bytes": param_bytes(model)}
+    def reference():
+        out = {}
+        for name, d in dirs.items():
+            cfg, model = load_our_model(d)
+            out[name] = {"logits": run_scenario(model, cfg.vocab_size), "bytes": param_bytes(model)}
+        return out
 
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed (rc={p.returncode}):\n{out[-4000:]}"
-
-    shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(TP)]
+    ref, shards = run_ranks(__file__, TP, dirs, tmp_path, reference, timeout=180)
     for name in CASES:
         want = ref[name]["logits"]
         for r in range(TP):
@@ -154,11 +173,4 @@ def test_tp_rank_range_checked():
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--dirs", required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    _worker(a.rank, a.world, a.port, json.loads(a.dirs), a.out)
+    rank_cli(_worker)
