@@ -65,25 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="show the cluster: workers, KV use, queue, tokens/s")
     add_cli_args(st, ClientArgs)
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--json", action="store_true", help="print the scheduler's whole stats reply as JSON")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the scheduler's answer")
 
     gen = sub.add_parser("generate", help="send one request to a running cluster")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text (sent as a completion, no chat template)")
     add_cli_args(gen, ClientArgs)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stream", action="store_true")
-    gen.add_argument("--timeout", type=float, default=30.0)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)")
+    gen.add_argument("--stream", action="store_true", help="print the text as it arrives")
+    gen.add_argument("--timeout", type=float, default=30.0, help="seconds the request may take in all")
 
     ch = sub.add_parser("chat", help="an interactive streaming chat with a running cluster (Ctrl-C ends a reply, "
                                      "Ctrl-D leaves)")
     add_cli_args(ch, ClientArgs)
     ch.add_argument("--system", default=None, help="a system message to start the conversation with")
-    ch.add_argument("--max-tokens", type=int, default=256)
-    ch.add_argument("--temperature", type=float, default=0.7)
-    ch.add_argument("--seed", type=int, default=None)
+    ch.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most")
+    ch.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
+    ch.add_argument("--seed", type=int, default=None, help="sampling seed of every reply")
 
     ky = sub.add_parser("keys", help="create a CURVE key directory: scheduler key pair, key pairs per role "
                                      "(client, worker, detokenizer), their allow-lists")
@@ -97,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bt = sub.add_parser("batch", help="offline batch generation in this process (no cluster), JSON lines out")
     bt.add_argument("input", help="a text file with one prompt per line ('-' = stdin)")
-    bt.add_argument("--max-tokens", type=int, default=32)
-    bt.add_argument("--temperature", type=float, default=0.0)
-    bt.add_argument("--seed", type=int, default=None)
-    bt.add_argument("--no-progress", action="store_true")
+    bt.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt at most")
+    bt.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    bt.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
+    bt.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_cli_args(bt, EngineArgs, skip=("tp_size", "max_queue_len"))  # one process; nothing queues
     add_cli_args(bt, ThreadArgs)
 

@@ -456,11 +456,12 @@ def installed_real_model() -> Path | None:
 # --------------------------------------------------------------------------- CLI
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("out_dir", help="directory to write the model into (created if missing)")
-    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
-    parser.add_argument("--size", choices=list(SIZES), default="default")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="model family (HF config and weight layout)")
+    parser.add_argument("--size", choices=list(SIZES), default="default", help="preset dimensions")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--shards", type=int, default=1, help="write N safetensors files + an index")
-    parser.add_argument("--tie-word-embeddings", choices=["auto", "true", "false"], default="auto")
+    parser.add_argument("--tie-word-embeddings", choices=["auto", "true", "false"], default="auto",
+                        help="share the embedding and LM head weights (auto: the family's usual choice)")
     return parser
 
 
