@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import plots  # noqa: E402
+# loaded by path: putting benchmarks/ on sys.path would let its common.py shadow the common package
+_spec = importlib.util.spec_from_file_location("bench_plots", ROOT / "benchmarks" / "plots.py")
+plots = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plots)
 
 pytest.importorskip("matplotlib")
 PNG = b"\x89PNG\r\n\x1a\n"
