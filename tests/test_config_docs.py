@@ -47,3 +47,8 @@ def test_check_flag_reports_a_stale_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "services.config_docs", "--check", str(stale)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_other_variables_are_read_where_the_reference_says():
+    for var, _, where in config_docs.OTHER_ENV:
+        assert var in (ROOT / where).read_text(encoding="utf-8"), f"{var} is not read in {where} any more"
