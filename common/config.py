@@ -459,6 +459,8 @@ class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, GenerationArgs, C
     """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
 
     no_worker_timeout_s: float = 300.0  # a request waits this long for a group serving its model
+    max_kv_blocks: int = knob(1 << 20, "most KV blocks one worker shard may announce (a HELLO claiming more is "
+                                       "refused: the scheduler keeps block tables for what it is told)")
     probe_interval_s: float = 0.1
     stats_interval_s: float = 1.0
     seed: int = 0

@@ -216,6 +216,10 @@ class Groups:
         if h.max_model_len > mc.max_position_embeddings:
             return (f"max_model_len {h.max_model_len} exceeds model {h.model!r}'s max_position_embeddings "
                     f"{mc.max_position_embeddings}")
+        if h.num_kv_blocks > self.cfg.max_kv_blocks:
+            return (f"num_kv_blocks {h.num_kv_blocks} is more than this scheduler's --max-kv-blocks "
+                    f"{self.cfg.max_kv_blocks}; start the worker with a smaller --num-kv-blocks (or the "
+                    "scheduler with a larger --max-kv-blocks)")
         block_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * h.block_size // h.tp_size
         if h.num_kv_blocks * max(block_bytes, 1) > MAX_KV_BYTES:
             return (f"num_kv_blocks {h.num_kv_blocks} x {max(block_bytes, 1)} bytes per block is more than "
@@ -347,6 +351,7 @@ class Groups:
         prev = g.state
         g.state = GroupState.GONE
         reqs = g.policy.drain_all() if g.policy is not None else []
+        g.policy = None  # its block tables: a gone group stays listed a while, its memory must not
         g.in_flight = None
         if reason != "drained":  # a failure: count it against each request it hit
             for key in {r.client_id for r in reqs}:
