@@ -148,3 +148,24 @@ def test_a_claim_above_max_kv_blocks_is_refused_with_the_knob_named():
     w = _hello(c, net, b"greedy", num_kv_blocks=3_000_000)
     assert w.status == "refused" and "--max-kv-blocks 1048576" in w.detail and "--num-kv-blocks" in w.detail
     assert _hello(c, net, b"fits", num_kv_blocks=1 << 20).status == "accepted"
+
+
+@pytest.mark.parametrize("addr", ["tcp://:7001", "tcp://host", "tcp://*:7001", "tcp://h:0", "tcp://h:x1",
+                                  "udp://h:7001", "h:7001", "tcp://[]:7001"])
+def test_a_malformed_scheduler_address_is_refused_at_the_boundary(addr):
+    from common.config import WorkerArgs, check_connect_address
+
+    with pytest.raises(InvalidRequest, match="expected tcp://HOST:PORT"):
+        WorkerArgs(scheduler=addr)
+    for ok in ("tcp://10.0.0.5:7001", "tcp://sched.example:7001", "tcp://[::1]:7001", "tcp://0.0.0.0:7001",
+               "ipc:///tmp/zs"):
+        assert check_connect_address(ok, "--scheduler") == ok
+
+
+def test_worker_with_an_empty_host_exits_with_the_reason_instead_of_saying_hello_forever():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--scheduler", "tcp://:7001"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--scheduler 'tcp://:7001': no host" in r.stderr
