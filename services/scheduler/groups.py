@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,6 +41,9 @@ ALLOWED_BLOCK_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 256)
 MAX_KV_BYTES = 64 << 40
 MAX_JOINING_GROUPS = 64
 MAX_GONE_GROUPS = 64  # gone groups kept for a look (tests, logs); older ones are forgotten
+# workers whose group we gave up, remembered so a worker back from a partition hears "we dropped
+# you (why)" rather than guessing at a restart; bounded: a peer churning ids costs a fixed size
+MAX_GIVEN_UP = 1024
 
 
 class BadStepResult(InvalidRequest):
@@ -122,6 +126,7 @@ class Groups:
         self.groups: dict[str, Group] = {}
         self.shard_of: dict[str, ShardRef] = {}  # worker_id -> where it sits
         self.failovers: dict[str, int] = {}  # live request key -> groups that died under it
+        self.given_up: OrderedDict[str, str] = OrderedDict()  # worker_id -> why its group was given up
 
     # ================================================================ lookups
     def get(self, name: str | None) -> Group | None:
@@ -227,6 +232,7 @@ class Groups:
         return None
 
     def _join(self, g: Group, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> None:
+        self.given_up.pop(h.worker_id, None)
         g.shards[h.tp_rank] = Shard(h, ident, now)
         self.shard_of[h.worker_id] = ShardRef(g.name, h.tp_rank)
         log.info("worker joined", group=g.name, worker=h.worker_id, rank=h.tp_rank, tp=h.tp_size, device=h.device,
@@ -256,8 +262,10 @@ class Groups:
         shard = self.shard(msg.worker_id)
         if shard is None:
             if isinstance(msg, P.Heartbeat):  # we restarted, or gave its group up: it must join again
-                ob.to_backend(ident, P.Welcome(status="rejoin", scheduler_id=self.scheduler_id,
-                                               detail="unknown worker: say HELLO again"))
+                why = self.given_up.get(msg.worker_id)
+                detail = (f"this scheduler gave your group up ({why}); say HELLO again" if why is not None
+                          else "unknown worker: say HELLO again")
+                ob.to_backend(ident, P.Welcome(status="rejoin", scheduler_id=self.scheduler_id, detail=detail))
             return None  # a late message from a worker we already let go
         own = ident == shard.identity or (isinstance(msg, P.Heartbeat) and ident == f"{msg.worker_id}-hb".encode())
         if not own:
@@ -359,7 +367,13 @@ class Groups:
         if prev != GroupState.JOINING:
             ob.publish(g.name, P.Shutdown(reason=reason))
         for s in g.shards.values():
-            self.shard_of.pop(s.hello.worker_id, None)
+            wid = s.hello.worker_id
+            self.shard_of.pop(wid, None)
+            if reason != "drained":
+                self.given_up[wid] = reason
+                self.given_up.move_to_end(wid)
+        while len(self.given_up) > MAX_GIVEN_UP:
+            self.given_up.popitem(last=False)
         return reqs
 
     # ================================================================ steps

@@ -51,7 +51,8 @@ def reachable(addr: str, scheduler_addr: str) -> str:
 
 
 class Rejoin(Exception):
-    """The scheduler no longer knows this shard (it restarted, or gave the group up)."""
+    """The scheduler no longer knows this shard (it restarted, or gave the group up); the
+    message says which when a Shutdown, not a heartbeat's answer, told us."""
 
 
 DRAINED_WAIT_S = 1.0  # after a Shutdown we did not ask for: how long a "drained" WELCOME may lag it
@@ -168,8 +169,8 @@ class WorkerService:
                 try:
                     code = self._serve(self._subscribe(welcome))
                     break
-                except Rejoin:
-                    log.warning("the scheduler does not know us (restarted?); joining again")
+                except Rejoin as e:
+                    self._log_rejoin(str(e))
                     self.runner.reqs.clear()
                     self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
                     if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
@@ -183,6 +184,16 @@ class WorkerService:
             self.peer.close()
             self.ctx.term()
         return code
+
+    def _log_rejoin(self, ended: str) -> None:
+        restarted, detail = self.peer.rejoin_reason()
+        if ended:
+            log.warning(f"{ended}; joining again")
+        elif restarted:
+            log.warning("the scheduler restarted; joining again", was=self.peer.scheduler_id,
+                        now=self.peer.rejoin_welcome.scheduler_id)
+        else:  # the same instance let us go (e.g. a partition outlasted its heartbeat timeout)
+            log.warning("the scheduler gave our group up (it did not restart); joining again", detail=detail)
 
     def _serve(self, sub: zmq.Socket) -> int:
         sub_ch = Channel(sub)
@@ -221,7 +232,7 @@ class WorkerService:
                     if drain_sent or self.peer.wait_drained(DRAINED_WAIT_S):
                         self._goodbye("drained")
                         return EXIT_OK
-                    raise Rejoin()
+                    raise Rejoin(f"the scheduler ended our group: {msg.reason}")
                 elif isinstance(msg, P.Step):
                     if expected_seq is not None and msg.seq != expected_seq:
                         reason = f"missed step {expected_seq} (got {msg.seq})"
