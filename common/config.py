@@ -509,6 +509,10 @@ class WorkerArgs(PeerArgs, AdvertiseArgs, ThreadArgs):
                                    "default: one group per worker)")
     tp_rank: int = knob(0, "this shard's rank in its group")
     dist_init_addr: str | None = knob(None, "torch.distributed address (rank 0 picks one if omitted)")
+    collective_ifname: str | None = knob(None, "network interface for tensor-parallel collectives (sets "
+                                               "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; default: the one "
+                                               "carrying --advertise-host, else the route to the rendezvous)",
+                                         metavar="IFNAME")
 
 
 @dataclass(kw_only=True)

@@ -34,6 +34,7 @@ from common.model_config import ModelConfig
 from common.transport import Channel, free_port, make_socket
 from services.backend_peer import BackendPeer, Refused
 from services.tiny_model import default_model_dir
+from services.worker import netif
 from services.worker.model_runner import ModelRunner
 
 log = get_logger("worker")
@@ -62,7 +63,8 @@ class WorkerService:
     def __init__(self, args: EngineArgs, scheduler_addr: str, group: str | None = None, tp_rank: int = 0,
                  worker_id: str | None = None, heartbeat_interval_s: float = 1.0,
                  dist_init_addr: str | None = None, advertise_host: str | None = None,
-                 curve_keys: str | None = None, curve_client: str | None = None) -> None:
+                 curve_keys: str | None = None, curve_client: str | None = None,
+                 collective_ifname: str | None = None) -> None:
         self.args = args
         # CURVE: every socket to the scheduler (dealer, heartbeat dealer, step SUB) uses this key
         self.curve = curve_client_keys(curve_keys, curve_client, role="worker")  # DIR/workers/NAME.key_secret
@@ -74,6 +76,8 @@ class WorkerService:
         if self.group is None:
             raise ValueError("a tensor-parallel shard needs --group (the same name on every shard of the group)")
         self.hb_interval = heartbeat_interval_s
+        self.advertise_host = advertise_host
+        self.collective_ifname = collective_ifname  # None: the interface carrying our address
         self.host = advertise_host or "127.0.0.1"  # the CLI fills it from ZEROSERVE_ADVERTISE_HOST
         self.dist_init_addr = dist_init_addr
         if self.tp_size > 1 and self.tp_rank == 0 and not self.dist_init_addr:
@@ -107,10 +111,25 @@ class WorkerService:
         if not addr:
             raise ZeroserveError("the scheduler gave no torch.distributed address for this tensor-parallel group")
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        self._bind_collectives(addr)
         log.info("joining tensor-parallel group", addr=addr, rank=self.tp_rank, world=self.tp_size, backend=backend)
         dist.init_process_group(backend, init_method=addr, rank=self.tp_rank, world_size=self.tp_size,
                                 timeout=datetime.timedelta(seconds=120))
         self._dist_ready = True
+
+    def _bind_collectives(self, rendezvous: str) -> None:
+        """gloo/NCCL on the interface the other shards reach us by (services/worker/netif.py)."""
+        choice = netif.pick_interface(self.advertise_host, rendezvous)
+        set_now = netif.bind_collectives(choice, self.collective_ifname)
+        if self.collective_ifname:
+            log.info("collectives bound", ifname=self.collective_ifname, why="--collective-ifname")
+        elif set_now:
+            log.info("collectives bound", ifname=choice.ifname, address=choice.address, why=choice.why)
+        elif choice.ifname:
+            log.info("collectives: keeping the interface set in the environment",
+                     **{v: os.environ[v] for v in netif.IFNAME_VARS if os.environ.get(v)}, found=choice.ifname)
+        else:
+            log.warning("collectives: no interface found; gloo/NCCL choose by the host name", why=choice.why)
 
     def _hello(self) -> P.Hello:
         r = self.runner
@@ -285,7 +304,7 @@ def main(args) -> int:
     svc = WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank, worker_id=wargs.worker_id,
                         heartbeat_interval_s=wargs.heartbeat_interval_s, dist_init_addr=wargs.dist_init_addr,
                         advertise_host=wargs.advertise_host, curve_keys=wargs.curve_keys,
-                        curve_client=wargs.curve_client)
+                        curve_client=wargs.curve_client, collective_ifname=wargs.collective_ifname)
     signal.signal(signal.SIGTERM, lambda *_: svc.drain_requested.set())
     signal.signal(signal.SIGINT, lambda *_: svc.drain_requested.set())
     return svc.run()
