@@ -35,7 +35,7 @@ from tests.netns import NetnsHosts  # noqa: E402
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 HOSTS = ["sched", "tpa", "tpb", "edge", "client"]
-PORT = 7100
+PORT = 7100  # a fixed port is free: every host has its own network namespace
 MAX_TOKENS = 16
 HEARTBEAT_TIMEOUT_S = 3
 
@@ -136,3 +136,13 @@ def _wait_file(hosts: NetnsHosts, path: str, timeout: float) -> None:
     while not Path(path).exists():
         assert time.monotonic() < deadline, f"{path} never appeared\n{hosts.logs()}"
         time.sleep(0.02)
+
+
+def test_without_root_or_ip_the_test_skips_saying_why(monkeypatch):
+    from tests import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "need root" in netns.why_not()
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda _: None)
+    assert "no `ip` command" in netns.why_not()
