@@ -339,6 +339,33 @@ class ThreadArgs:
     threads: int | None = knob(None, "torch CPU threads for this process")
 
 
+def check_connect_address(addr: str, flag: str) -> str:
+    """A ZeroMQ address to dial (tcp://HOST:PORT, ipc://PATH), checked where it is given: a
+    malformed one (`tcp://:7001`) would otherwise be retried forever without a word."""
+    def bad(why: str) -> InvalidRequest:
+        return InvalidRequest(f"{flag} {addr!r}: {why}; expected tcp://HOST:PORT (e.g. tcp://10.0.0.5:7001)")
+
+    if not isinstance(addr, str) or "://" not in addr:
+        raise bad("no transport")
+    scheme, rest = addr.split("://", 1)
+    if scheme in ("ipc", "inproc"):
+        if not rest:
+            raise bad("no path")
+        return addr
+    if scheme != "tcp":
+        raise bad(f"unknown transport {scheme!r}")
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        raise bad("no port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or host == "*" or any(c.isspace() for c in host):  # 0.0.0.0 dials this host: `up --host 0.0.0.0`
+        raise bad(f"{host!r} is not a host to connect to" if host else "no host")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise bad(f"port {port!r} is not in 1..65535")
+    return addr
+
+
 @dataclass(kw_only=True)
 class PeerArgs(CurveClientArgs):
     """connection to the scheduler"""
@@ -346,6 +373,9 @@ class PeerArgs(CurveClientArgs):
     scheduler: str = knob(DEFAULT_BACKEND, "the scheduler's backend address (its port + 1)")
     worker_id: str | None = knob(None, "this process's id at the scheduler (default: host-pid-random)", env=False)
     heartbeat_interval_s: float = knob(1.0, "seconds between heartbeats", flag="--heartbeat-interval")
+
+    def __post_init__(self) -> None:
+        check_connect_address(self.scheduler, "--scheduler")
 
 
 @dataclass(kw_only=True)
@@ -459,6 +489,8 @@ class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, GenerationArgs, C
     """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
 
     no_worker_timeout_s: float = 300.0  # a request waits this long for a group serving its model
+    max_kv_blocks: int = knob(1 << 20, "most KV blocks one worker shard may announce (a HELLO claiming more is "
+                                       "refused: the scheduler keeps block tables for what it is told)")
     probe_interval_s: float = 0.1
     stats_interval_s: float = 1.0
     seed: int = 0
@@ -477,6 +509,10 @@ class WorkerArgs(PeerArgs, AdvertiseArgs, ThreadArgs):
                                    "default: one group per worker)")
     tp_rank: int = knob(0, "this shard's rank in its group")
     dist_init_addr: str | None = knob(None, "torch.distributed address (rank 0 picks one if omitted)")
+    collective_ifname: str | None = knob(None, "network interface for tensor-parallel collectives (sets "
+                                               "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; default: the one "
+                                               "carrying --advertise-host, else the route to the rendezvous)",
+                                         metavar="IFNAME")
 
 
 @dataclass(kw_only=True)

@@ -18,8 +18,9 @@ ROUTER and, through `BackendPeer`:
   none pile up while the scheduler is away.
 * notices what the scheduler wants after WELCOME (`note(msg)` on every Welcome that arrives,
   from either socket): `rejoin` is set when it no longer knows us (a restarted scheduler answers
-  an unknown peer's heartbeat with status "rejoin"), `drained` when it let our group go after a
-  drain. The caller clears `rejoin` when it starts over; a worker's heartbeat thread exits the
+  an unknown peer's heartbeat with status "rejoin"; so does one that gave our group up, saying
+  why: `rejoin_reason()` tells the two apart by the instance id), `drained` when it let our
+  group go after a drain. The caller clears `rejoin` when it starts over; a worker's heartbeat thread exits the
   process when nobody does within STUCK_AFTER_S (its main thread is stuck in a collective), so
   a supervisor restarts it.
 """
@@ -83,6 +84,8 @@ class BackendPeer:
         self.drained = threading.Event()  # the scheduler let our group go after a drain: leave
         self._joined = threading.Event()
         self._joined_at = 0.0
+        self.scheduler_id = ""  # the instance that welcomed us: a "rejoin" from another one means it restarted
+        self.rejoin_welcome: P.Welcome | None = None  # the Welcome that set `rejoin` (its detail says why)
         self._closed = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._next_hb = 0.0
@@ -128,6 +131,7 @@ class BackendPeer:
                         on_message(msg)
                     continue
                 if msg.status == "accepted":
+                    self.scheduler_id = msg.scheduler_id
                     self.rejoin.clear()
                     self.drained.clear()
                     self._joined_at = time.monotonic()
@@ -177,8 +181,18 @@ class BackendPeer:
         if msg.status == "rejoin" and time.monotonic() - self._joined_at < STALE_HEARTBEATS * self.hb_interval:
             return False  # most likely the answer to a heartbeat sent before our HELLO
         self._joined.clear()
+        self.rejoin_welcome = msg
         self.rejoin.set()
         return True
+
+    def rejoin_reason(self) -> tuple[bool, str]:
+        """Why we must rejoin: (restarted, detail). The scheduler restarted when the instance
+        asking is not the one that welcomed us; otherwise it gave our group up (a partition,
+        missed heartbeats) and its detail says why."""
+        w = self.rejoin_welcome
+        if w is None:
+            return False, ""
+        return bool(w.scheduler_id and self.scheduler_id and w.scheduler_id != self.scheduler_id), w.detail
 
     def wait_drained(self, timeout_s: float) -> bool:
         """Read the main socket for up to ``timeout_s`` until the scheduler says we are drained

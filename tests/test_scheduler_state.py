@@ -458,7 +458,8 @@ def test_deadlines_silent_clients_and_aborts():
     (err,) = net.got("t")[3]
     assert err.code == "timeout" and net.got("t")[2] == ["abort"]
     assert net.got("q", client=b"quiet-client")[2] == ["abort"]
-    assert not c.live and not c.groups.get("g0").policy.requests
+    pol = c.groups.get("g0").policy  # None once the hung group is given up (its tables go with it)
+    assert not c.live and (pol is None or not pol.requests)
 
 
 def test_client_requests_are_checked_before_anything_is_kept():

@@ -4,6 +4,11 @@ The prefix cache keys every full block by (hash of the previous block's key, its
 a lookup compares the tokens themselves, so a hash collision can never serve wrong KV.
 Free blocks that hold cached content stay findable until they are reused, least recently
 freed first (LRU).
+
+Memory follows use, not capacity: a worker may announce millions of blocks, so blocks never
+handed out are one range (`_fresh`..`num_blocks`), and reference counts, cache keys and the
+LRU hold only blocks that were allocated at some point. Fresh blocks go out before any freed
+one (as if every block sat at the LRU's front in id order), which keeps cached content longest.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_cnt = [0] * num_blocks
-        self.block_key: list[tuple | None] = [None] * num_blocks  # cache key of a block's content
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._fresh = 0  # blocks [_fresh, num_blocks) were never handed out
+        self._refs: dict[int, int] = {}  # block -> references, for blocks that have any
+        self.block_key: dict[int, tuple] = {}  # block -> cache key of its content (cached blocks only)
+        self.free: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
         self.cache: dict[tuple, int] = {}  # key -> block id
         self.hits = 0  # prompt tokens served from the cache, for stats and tests
         self.queries = 0
@@ -34,11 +40,16 @@ class BlockManager:
     # ---- capacity -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - self._fresh
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def ref_cnt(self) -> list[int]:
+        """Every block's reference count (a copy, O(num_blocks): for tests and debugging)."""
+        return [self._refs.get(b, 0) for b in range(self.num_blocks)]
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
@@ -111,34 +122,37 @@ class BlockManager:
         prev = req.block_hashes[-1] if start else 0
         for i, key in enumerate(self._chain_keys(req.token_ids, num_full, prev, start), start):
             block = req.block_ids[i]
-            if key not in self.cache and self.block_key[block] is None:
+            if key not in self.cache and block not in self.block_key:
                 self.cache[key] = block
                 self.block_key[block] = key
             req.block_hashes.append(hash(key))
 
     # ---- allocation -----------------------------------------------------------------------
     def _incref(self, block: int) -> None:
-        if self.ref_cnt[block] == 0:
+        n = self._refs.get(block, 0)
+        if n == 0:
             self.free.pop(block, None)
-        self.ref_cnt[block] += 1
+        self._refs[block] = n + 1
 
     def _pop_free(self) -> int:
-        block, _ = self.free.popitem(last=False)  # least recently freed
-        key = self.block_key[block]
-        if key is not None:  # evict its cached content
-            if self.cache.get(key) == block:
+        if self._fresh < self.num_blocks:
+            block = self._fresh
+            self._fresh += 1
+        else:
+            block, _ = self.free.popitem(last=False)  # least recently freed
+            key = self.block_key.pop(block, None)
+            if key is not None and self.cache.get(key) == block:  # evict its cached content
                 del self.cache[key]
-            self.block_key[block] = None
-        self.ref_cnt[block] = 1
+        self._refs[block] = 1
         return block
 
     def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(req, num_new_tokens) <= len(self.free)
+        return self.blocks_needed(req, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, req: Request, num_new_tokens: int) -> list[int]:
         """Add the blocks `req` needs for `num_new_tokens` more tokens; returns the new ids."""
         need = self.blocks_needed(req, num_new_tokens)
-        if need > len(self.free):
+        if need > self.num_free_blocks:
             raise RuntimeError("allocate() without can_allocate()")
         new = [self._pop_free() for _ in range(need)]
         req.block_ids.extend(new)
@@ -163,9 +177,12 @@ class BlockManager:
         return req.num_released - start
 
     def _decref(self, block: int) -> None:
-        self.ref_cnt[block] -= 1
-        if self.ref_cnt[block] == 0:
+        n = self._refs[block] - 1
+        if n == 0:
+            del self._refs[block]
             self.free[block] = None
+        else:
+            self._refs[block] = n
 
     def reset(self) -> None:
         """Forget everything (the group's workers lost their KV)."""

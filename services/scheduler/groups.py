@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,6 +41,9 @@ ALLOWED_BLOCK_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 256)
 MAX_KV_BYTES = 64 << 40
 MAX_JOINING_GROUPS = 64
 MAX_GONE_GROUPS = 64  # gone groups kept for a look (tests, logs); older ones are forgotten
+# workers whose group we gave up, remembered so a worker back from a partition hears "we dropped
+# you (why)" rather than guessing at a restart; bounded: a peer churning ids costs a fixed size
+MAX_GIVEN_UP = 1024
 
 
 class BadStepResult(InvalidRequest):
@@ -122,6 +126,7 @@ class Groups:
         self.groups: dict[str, Group] = {}
         self.shard_of: dict[str, ShardRef] = {}  # worker_id -> where it sits
         self.failovers: dict[str, int] = {}  # live request key -> groups that died under it
+        self.given_up: OrderedDict[str, str] = OrderedDict()  # worker_id -> why its group was given up
 
     # ================================================================ lookups
     def get(self, name: str | None) -> Group | None:
@@ -216,6 +221,10 @@ class Groups:
         if h.max_model_len > mc.max_position_embeddings:
             return (f"max_model_len {h.max_model_len} exceeds model {h.model!r}'s max_position_embeddings "
                     f"{mc.max_position_embeddings}")
+        if h.num_kv_blocks > self.cfg.max_kv_blocks:
+            return (f"num_kv_blocks {h.num_kv_blocks} is more than this scheduler's --max-kv-blocks "
+                    f"{self.cfg.max_kv_blocks}; start the worker with a smaller --num-kv-blocks (or the "
+                    "scheduler with a larger --max-kv-blocks)")
         block_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * h.block_size // h.tp_size
         if h.num_kv_blocks * max(block_bytes, 1) > MAX_KV_BYTES:
             return (f"num_kv_blocks {h.num_kv_blocks} x {max(block_bytes, 1)} bytes per block is more than "
@@ -223,6 +232,7 @@ class Groups:
         return None
 
     def _join(self, g: Group, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> None:
+        self.given_up.pop(h.worker_id, None)
         g.shards[h.tp_rank] = Shard(h, ident, now)
         self.shard_of[h.worker_id] = ShardRef(g.name, h.tp_rank)
         log.info("worker joined", group=g.name, worker=h.worker_id, rank=h.tp_rank, tp=h.tp_size, device=h.device,
@@ -252,8 +262,10 @@ class Groups:
         shard = self.shard(msg.worker_id)
         if shard is None:
             if isinstance(msg, P.Heartbeat):  # we restarted, or gave its group up: it must join again
-                ob.to_backend(ident, P.Welcome(status="rejoin", scheduler_id=self.scheduler_id,
-                                               detail="unknown worker: say HELLO again"))
+                why = self.given_up.get(msg.worker_id)
+                detail = (f"this scheduler gave your group up ({why}); say HELLO again" if why is not None
+                          else "unknown worker: say HELLO again")
+                ob.to_backend(ident, P.Welcome(status="rejoin", scheduler_id=self.scheduler_id, detail=detail))
             return None  # a late message from a worker we already let go
         own = ident == shard.identity or (isinstance(msg, P.Heartbeat) and ident == f"{msg.worker_id}-hb".encode())
         if not own:
@@ -347,6 +359,7 @@ class Groups:
         prev = g.state
         g.state = GroupState.GONE
         reqs = g.policy.drain_all() if g.policy is not None else []
+        g.policy = None  # its block tables: a gone group stays listed a while, its memory must not
         g.in_flight = None
         if reason != "drained":  # a failure: count it against each request it hit
             for key in {r.client_id for r in reqs}:
@@ -354,7 +367,13 @@ class Groups:
         if prev != GroupState.JOINING:
             ob.publish(g.name, P.Shutdown(reason=reason))
         for s in g.shards.values():
-            self.shard_of.pop(s.hello.worker_id, None)
+            wid = s.hello.worker_id
+            self.shard_of.pop(wid, None)
+            if reason != "drained":
+                self.given_up[wid] = reason
+                self.given_up.move_to_end(wid)
+        while len(self.given_up) > MAX_GIVEN_UP:
+            self.given_up.popitem(last=False)
         return reqs
 
     # ================================================================ steps

@@ -34,6 +34,7 @@ from common.model_config import ModelConfig
 from common.transport import Channel, free_port, make_socket
 from services.backend_peer import BackendPeer, Refused
 from services.tiny_model import default_model_dir
+from services.worker import netif
 from services.worker.model_runner import ModelRunner
 
 log = get_logger("worker")
@@ -51,7 +52,8 @@ def reachable(addr: str, scheduler_addr: str) -> str:
 
 
 class Rejoin(Exception):
-    """The scheduler no longer knows this shard (it restarted, or gave the group up)."""
+    """The scheduler no longer knows this shard (it restarted, or gave the group up); the
+    message says which when a Shutdown, not a heartbeat's answer, told us."""
 
 
 DRAINED_WAIT_S = 1.0  # after a Shutdown we did not ask for: how long a "drained" WELCOME may lag it
@@ -61,7 +63,8 @@ class WorkerService:
     def __init__(self, args: EngineArgs, scheduler_addr: str, group: str | None = None, tp_rank: int = 0,
                  worker_id: str | None = None, heartbeat_interval_s: float = 1.0,
                  dist_init_addr: str | None = None, advertise_host: str | None = None,
-                 curve_keys: str | None = None, curve_client: str | None = None) -> None:
+                 curve_keys: str | None = None, curve_client: str | None = None,
+                 collective_ifname: str | None = None) -> None:
         self.args = args
         # CURVE: every socket to the scheduler (dealer, heartbeat dealer, step SUB) uses this key
         self.curve = curve_client_keys(curve_keys, curve_client, role="worker")  # DIR/workers/NAME.key_secret
@@ -73,6 +76,8 @@ class WorkerService:
         if self.group is None:
             raise ValueError("a tensor-parallel shard needs --group (the same name on every shard of the group)")
         self.hb_interval = heartbeat_interval_s
+        self.advertise_host = advertise_host
+        self.collective_ifname = collective_ifname  # None: the interface carrying our address
         self.host = advertise_host or "127.0.0.1"  # the CLI fills it from ZEROSERVE_ADVERTISE_HOST
         self.dist_init_addr = dist_init_addr
         if self.tp_size > 1 and self.tp_rank == 0 and not self.dist_init_addr:
@@ -106,10 +111,25 @@ class WorkerService:
         if not addr:
             raise ZeroserveError("the scheduler gave no torch.distributed address for this tensor-parallel group")
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        self._bind_collectives(addr)
         log.info("joining tensor-parallel group", addr=addr, rank=self.tp_rank, world=self.tp_size, backend=backend)
         dist.init_process_group(backend, init_method=addr, rank=self.tp_rank, world_size=self.tp_size,
                                 timeout=datetime.timedelta(seconds=120))
         self._dist_ready = True
+
+    def _bind_collectives(self, rendezvous: str) -> None:
+        """gloo/NCCL on the interface the other shards reach us by (services/worker/netif.py)."""
+        choice = netif.pick_interface(self.advertise_host, rendezvous)
+        set_now = netif.bind_collectives(choice, self.collective_ifname)
+        if self.collective_ifname:
+            log.info("collectives bound", ifname=self.collective_ifname, why="--collective-ifname")
+        elif set_now:
+            log.info("collectives bound", ifname=choice.ifname, address=choice.address, why=choice.why)
+        elif choice.ifname:
+            log.info("collectives: keeping the interface set in the environment",
+                     **{v: os.environ[v] for v in netif.IFNAME_VARS if os.environ.get(v)}, found=choice.ifname)
+        else:
+            log.warning("collectives: no interface found; gloo/NCCL choose by the host name", why=choice.why)
 
     def _hello(self) -> P.Hello:
         r = self.runner
@@ -168,8 +188,8 @@ class WorkerService:
                 try:
                     code = self._serve(self._subscribe(welcome))
                     break
-                except Rejoin:
-                    log.warning("the scheduler does not know us (restarted?); joining again")
+                except Rejoin as e:
+                    self._log_rejoin(str(e))
                     self.runner.reqs.clear()
                     self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
                     if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
@@ -183,6 +203,16 @@ class WorkerService:
             self.peer.close()
             self.ctx.term()
         return code
+
+    def _log_rejoin(self, ended: str) -> None:
+        restarted, detail = self.peer.rejoin_reason()
+        if ended:
+            log.warning(f"{ended}; joining again")
+        elif restarted:
+            log.warning("the scheduler restarted; joining again", was=self.peer.scheduler_id,
+                        now=self.peer.rejoin_welcome.scheduler_id)
+        else:  # the same instance let us go (e.g. a partition outlasted its heartbeat timeout)
+            log.warning("the scheduler gave our group up (it did not restart); joining again", detail=detail)
 
     def _serve(self, sub: zmq.Socket) -> int:
         sub_ch = Channel(sub)
@@ -221,7 +251,7 @@ class WorkerService:
                     if drain_sent or self.peer.wait_drained(DRAINED_WAIT_S):
                         self._goodbye("drained")
                         return EXIT_OK
-                    raise Rejoin()
+                    raise Rejoin(f"the scheduler ended our group: {msg.reason}")
                 elif isinstance(msg, P.Step):
                     if expected_seq is not None and msg.seq != expected_seq:
                         reason = f"missed step {expected_seq} (got {msg.seq})"
@@ -274,7 +304,7 @@ def main(args) -> int:
     svc = WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank, worker_id=wargs.worker_id,
                         heartbeat_interval_s=wargs.heartbeat_interval_s, dist_init_addr=wargs.dist_init_addr,
                         advertise_host=wargs.advertise_host, curve_keys=wargs.curve_keys,
-                        curve_client=wargs.curve_client)
+                        curve_client=wargs.curve_client, collective_ifname=wargs.collective_ifname)
     signal.signal(signal.SIGTERM, lambda *_: svc.drain_requested.set())
     signal.signal(signal.SIGINT, lambda *_: svc.drain_requested.set())
     return svc.run()

@@ -29,7 +29,7 @@ def _hello(c, net, ident: bytes, **kw) -> P.Welcome:
 
 
 def test_implausible_capacities_are_refused_with_a_reason():
-    c = make_cluster()
+    c = make_cluster(max_kv_blocks=1 << 62)  # the byte bound, not the count (below)
     net = Net(c)
     w = _hello(c, net, b"a", block_size=24)
     assert w.status == "refused" and "block_size 24" in w.detail
@@ -111,3 +111,61 @@ def test_a_request_that_keeps_killing_groups_ends_after_max_failovers():
         del net.workers[f"g{i}"]
     assert len(errors) == 1 and "max-failovers" in errors[0].message and errors[0].request_id == "r"
     assert not c.live and not c.groups.failovers
+
+
+def test_a_huge_kv_claim_costs_the_scheduler_little_and_is_released_when_the_group_leaves():
+    """A worker may announce millions of blocks: the scheduler's tables follow what is used (a
+    3,000,000-block claim took ~500 MB of lists before), and go with the group."""
+    import gc
+    import weakref
+
+    import psutil
+
+    proc = psutil.Process()
+    c = make_cluster(max_kv_blocks=4_000_000)
+    net = Net(c)
+    net.join_detok("d")
+    gc.collect()
+    before = proc.memory_info().rss
+    (w,) = net.join("big", blocks=3_000_000)
+    net.submit("r", prompt(40, 5), 8)
+    net.run(lambda: net.done("r"))
+    grown = proc.memory_info().rss - before
+    assert grown < 50 << 20, f"the claim cost {grown >> 20} MiB"
+    g = c.groups.get("big")
+    assert g.policy.bm.num_free_blocks == 3_000_000  # the request gave its blocks back
+    bm = weakref.ref(g.policy.bm)
+    net.send(c.on_goodbye(w.ident, P.Goodbye(worker_id=w.worker_id, reason="bye"), net.now))
+    assert g.state == GroupState.GONE and g.policy is None
+    gc.collect()
+    assert bm() is None, "a gone group's block tables stayed alive"
+
+
+def test_a_claim_above_max_kv_blocks_is_refused_with_the_knob_named():
+    c = make_cluster()
+    assert c.cfg.max_kv_blocks == 1 << 20
+    net = Net(c)
+    w = _hello(c, net, b"greedy", num_kv_blocks=3_000_000)
+    assert w.status == "refused" and "--max-kv-blocks 1048576" in w.detail and "--num-kv-blocks" in w.detail
+    assert _hello(c, net, b"fits", num_kv_blocks=1 << 20).status == "accepted"
+
+
+@pytest.mark.parametrize("addr", ["tcp://:7001", "tcp://host", "tcp://*:7001", "tcp://h:0", "tcp://h:x1",
+                                  "udp://h:7001", "h:7001", "tcp://[]:7001"])
+def test_a_malformed_scheduler_address_is_refused_at_the_boundary(addr):
+    from common.config import WorkerArgs, check_connect_address
+
+    with pytest.raises(InvalidRequest, match="expected tcp://HOST:PORT"):
+        WorkerArgs(scheduler=addr)
+    for ok in ("tcp://10.0.0.5:7001", "tcp://sched.example:7001", "tcp://[::1]:7001", "tcp://0.0.0.0:7001",
+               "ipc:///tmp/zs"):
+        assert check_connect_address(ok, "--scheduler") == ok
+
+
+def test_worker_with_an_empty_host_exits_with_the_reason_instead_of_saying_hello_forever():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--scheduler", "tcp://:7001"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--scheduler 'tcp://:7001': no host" in r.stderr
