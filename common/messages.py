@@ -252,7 +252,8 @@ WelcomeStatus = Literal["accepted", "refused", "rejoin", "drained"]
 
 class Welcome(Message):
     """accepted: serve (group, step_addr); refused: exit with `detail`; rejoin: the scheduler
-    does not know this peer (it restarted), say HELLO again; drained: leave, work is done."""
+    does not know this peer (it restarted: another scheduler_id; or it gave the peer's group
+    up: `detail` says why), say HELLO again; drained: leave, work is done."""
 
     status: WelcomeStatus
     detail: Text = ""

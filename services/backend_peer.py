@@ -20,9 +20,9 @@ ROUTER and, through `BackendPeer`:
   from either socket): `rejoin` is set when it no longer knows us (a restarted scheduler answers
   an unknown peer's heartbeat with status "rejoin"; so does one that gave our group up, saying
   why: `rejoin_reason()` tells the two apart by the instance id), `drained` when it let our
-  group go after a drain. The caller clears `rejoin` when it starts over; a worker's heartbeat thread exits the
-  process when nobody does within STUCK_AFTER_S (its main thread is stuck in a collective), so
-  a supervisor restarts it.
+  group go after a drain. The caller clears `rejoin` when it starts over; a worker's heartbeat
+  thread exits the process when nobody does within STUCK_AFTER_S (its main thread is stuck in
+  a collective), so a supervisor restarts it.
 """
 
 from __future__ import annotations
