@@ -1,10 +1,16 @@
-// Hand-written SVG line charts for the cluster page: time on x (the last WINDOW_S seconds),
+// Hand-written SVG line charts for the cluster page: time on x (the last windowS seconds),
 // one path per series, a few grid lines with their values. Redrawn whole at every poll.
 "use strict";
 
 const Charts = (() => {
   const NS = "http://www.w3.org/2000/svg";
   const COLORS = ["#2f6fdf", "#1f9d55", "#d64545", "#c98a06", "#8e44ad", "#16a2b8", "#e67e22", "#7f8c8d"];
+
+  const assigned = new Map();  // series name -> colour, the same in every chart and over time
+  const colorOf = (name) => {
+    if (!assigned.has(name)) assigned.set(name, COLORS[assigned.size % COLORS.length]);
+    return assigned.get(name);
+  };
 
   function node(tag, attrs, parent) {
     const e = document.createElementNS(NS, tag);
@@ -38,17 +44,20 @@ const Charts = (() => {
     }
     for (const s of [windowS, windowS / 2, 0]) {
       const label = node("text", { class: "axis", x: x(now - s), y: h - 2, "text-anchor": s ? "middle" : "end" }, svg);
-      label.textContent = s ? "-" + Math.round(s / 60 * 10) / 10 + " min" : "now";
+      label.textContent = !s ? "now" : s < 120 ? "-" + Math.round(s) + " s" : "-" + Math.round(s / 6) / 10 + " min";
     }
     legend.textContent = "";
-    series.forEach((s, i) => {
-      const color = COLORS[i % COLORS.length];
+    series.forEach((s) => {
+      const color = colorOf(s.name);
       let d = "", pen = false;
-      for (const [t, v] of s.points) {
-        if (v === null || now - t > windowS) { pen = false; continue; }
+      const pts = s.points.filter(([t]) => now - t <= windowS);
+      pts.forEach(([t, v], j) => {
+        if (v === null) { pen = false; return; }
         d += (pen ? "L" : "M") + x(t).toFixed(1) + " " + y(v).toFixed(1);
+        const alone = !pen && (j + 1 >= pts.length || pts[j + 1][1] === null);
+        if (alone) node("circle", { cx: x(t), cy: y(v), r: 2.5, fill: color }, svg);  // no line to draw
         pen = true;
-      }
+      });
       if (d) node("path", { d, stroke: color }, svg);
       const item = document.createElement("span");
       const swatch = document.createElement("i");

@@ -94,19 +94,20 @@
     $("stopbtn").disabled = !on;
   }
 
-  async function send() {
-    const text = $("prompt").value;
+  // fallback: the text to send again as a completion (the notice that says why stays up)
+  async function send(fallback) {
+    const text = typeof fallback === "string" ? fallback : $("prompt").value;
     if (!text.trim() || state.controller) return;
     const model = $("model").value;
     if (state.mode === "chat" && state.noTemplate.has(model)) setMode("completion");
     $("prompt").value = "";
-    notice("");
+    if (typeof fallback !== "string") notice("");
     const chat = state.mode === "chat";
     const body = params();
-    let path;
+    let path, asked = null;
     if (chat) {
       state.messages.push({ role: "user", content: text });
-      addMessage("user", text);
+      asked = addMessage("user", text);
       const sys = $("system").value.trim();
       body.messages = (sys ? [{ role: "system", content: sys }] : []).concat(state.messages);
       path = "/v1/chat/completions";
@@ -168,14 +169,14 @@
         // e.g. the built-in tiny model: say so and send the same text as a raw completion
         state.messages.pop();
         reply.el.remove();
+        asked.el.remove();
         state.noTemplate.add(model);
         notice("The model " + model + " has no chat template, so this page switched to completion mode: the "
                + "text is continued as it is. (" + e.message + ")");
         setMode("completion");
         state.controller = null;
         busy(false);
-        $("prompt").value = text;
-        return send();
+        return send(text);
       } else {
         reply.el.dataset.state = "error";
         reply.meta.classList.add("error");
@@ -191,7 +192,7 @@
     setMode("chat");
     $("mode-chat").addEventListener("click", () => setMode("chat"));
     $("mode-completion").addEventListener("click", () => setMode("completion"));
-    $("send").addEventListener("click", send);
+    $("send").addEventListener("click", () => send());
     $("stopbtn").addEventListener("click", () => state.controller && state.controller.abort());
     $("clear").addEventListener("click", () => {
       if (state.controller) state.controller.abort();

@@ -91,7 +91,7 @@
     for (const [name, v] of gone) if (listed.has(name) || now - v.since > GONE_KEEP_S) gone.delete(name);
     const body = $("groups");
     body.textContent = "";
-    const rows = s.groups.map((g) => [g, g.state]).concat([...gone.values()].map((v) => [v.group, "gone"]));
+    const rows = [...s.groups].sort((a, b) => (a.name < b.name ? -1 : 1)).map((g) => [g, g.state]).concat([...gone.values()].map((v) => [v.group, "gone"]));
     for (const [g, st] of rows) {
       const tr = ZS.el("tr");
       tr.dataset.group = g.name;
@@ -142,8 +142,11 @@
   }
 
   function renderCharts(now) {
+    // the x axis spans what the page has seen, from 30 s up to WINDOW_S: a page just opened has a chart to look at
+    const span = Math.min(WINDOW_S, Math.max(30, now - samples[0].t));
     const names = [];
     for (const sm of samples) for (const g of sm.stats.groups) if (!names.includes(g.name)) names.push(g.name);
+    names.sort();
     const pts = (f) => samples.map((sm, i) => [sm.t, i ? f(samples[i - 1], sm) : null]);
     const perGroup = (field) => names.map((n) => ({ name: n, points: pts((a, b) => {
       const ga = a.stats.groups.find((g) => g.name === n), gb = b.stats.groups.find((g) => g.name === n);
@@ -151,18 +154,18 @@
     }) }));
     const total = { name: "cluster", points: pts((a, b) => (b.t > a.t
       ? Math.max(0, (b.stats.tokens_total - a.stats.tokens_total) / (b.t - a.t)) : null)) };
-    Charts.line($("chart-tps"), $("legend-tps"), [total].concat(names.length > 1 ? perGroup("tokens") : []), now, WINDOW_S);
+    Charts.line($("chart-tps"), $("legend-tps"), [total].concat(names.length > 1 ? perGroup("tokens") : []), now, span);
     const ttft = { name: "TTFT", points: pts((a, b) => {
       const ma = a.stats.metrics || {}, mb = b.stats.metrics || {};
       const n = (mb.ttft_count || 0) - (ma.ttft_count || 0);
       return n > 0 ? 1000 * ((mb.ttft_sum_s || 0) - (ma.ttft_sum_s || 0)) / n : null;
     }) };
-    Charts.line($("chart-ttft"), $("legend-ttft"), [ttft], now, WINDOW_S);
+    Charts.line($("chart-ttft"), $("legend-ttft"), [ttft], now, span);
     const kv = names.map((n) => ({ name: n, points: samples.map((sm) => {
       const g = sm.stats.groups.find((x) => x.name === n);
       return [sm.t, g && g.kv_blocks_total ? 100 * g.kv_blocks_used / g.kv_blocks_total : null];
     }) }));
-    Charts.line($("chart-kv"), $("legend-kv"), kv, now, WINDOW_S, 100);
+    Charts.line($("chart-kv"), $("legend-kv"), kv, now, span, 100);
   }
 
   async function poll() {
