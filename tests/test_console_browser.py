@@ -147,6 +147,22 @@ def test_a_prompt_streams_a_markdown_reply_with_its_timings(cluster, page):
     page.screenshot(path=str(IMG / "console-chat.png"))
 
 
+def test_markdown_is_rendered_from_escaped_text(cluster, page):
+    """A reply is the model's text: markup in it stays text, links keep http(s) targets only."""
+    c, urls, models = cluster
+    page.goto(urls["main"] + "/")
+    html = page.evaluate("""() => MD.render('<img src=x onerror=alert(1)> **bold** and `a<b` and *it*\\n'
+        + '```python\\nif a < b and snake_case_name:\\n    pass\\n```\\n- one\\n- two\\n'
+        + '[ok](https://example.org) [bad](javascript:alert(1))\\n```\\nstill open')""")
+    assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "<strong>bold</strong>" in html and "<code>a&lt;b</code>" in html and "<em>it</em>" in html
+    assert '<pre><code class="lang-python">if a &lt; b and snake_case_name:\n    pass</code></pre>' in html
+    assert "<ul><li>one</li><li>two</li></ul>" in html
+    assert 'href="https://example.org"' in html and "javascript:" not in html.split("[bad]")[0]
+    assert 'href="javascript' not in html
+    assert html.endswith("<pre><code>still open</code></pre>"), html  # a fence still streaming
+
+
 def test_stop_ends_the_request_in_the_cluster(cluster, page):
     c, urls, models = cluster
     before = c.stats()["metrics"]["requests_aborted"]
