@@ -387,6 +387,7 @@ class LaunchArgs:
     gateway: bool = knob(True, "do not start the OpenAI-compatible HTTP gateway", flag="--no-gateway")
     gateway_port: int = knob(8000, "the HTTP gateway's port")
     gateway_nice: int = knob(0, "the gateway's nice value (its --nice)")
+    ui: bool = knob(True, "the gateway serves no web console (its --no-ui)", flag="--no-ui")
 
 
 @dataclass(kw_only=True)
@@ -407,7 +408,9 @@ class GatewayArgs(CurveClientArgs):
     models: list[str] = knob(help="model directory (or .gguf) whose tokenizer /tokenize, /detokenize and logprob "
                                   "token strings use, loaded on first use (repeatable; default: none)",
                              flag="--model", factory=list)
-    api_key: str | None = knob(None, "require `Authorization: Bearer KEY` on /v1/* (default: open)")
+    api_key: str | None = knob(None, "require `Authorization: Bearer KEY` on /v1/* and /api/* (default: open)")
+    ui: bool = knob(True, "do not serve the web console (/ the chat playground, /cluster the live view)",
+                    flag="--no-ui")
     max_body_bytes: int = knob(4 << 20, "largest request body accepted (413 above)")
     timeout_s: float = knob(10.0, "seconds the scheduler may stay silent before requests get 503", flag="--timeout")
     request_timeout_s: float | None = knob(None, "limit on one request's total time (504 after it; default: none)",

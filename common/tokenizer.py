@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,20 @@ def load_tokenizer_file_check(path: Path) -> None:
         raise ModelLoadError(f"broken tokenizer file {str(tok_file)!r}: {e}") from None
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
+def _transformers():
+    """transformers, its first import under a lock. Its lazy top-level module is not safe to
+    import from two threads at once: one of them gets `ImportError: cannot import name
+    'AutoTokenizer'` (the scheduler's pool loads one tokenizer per model in parallel, so a
+    cluster serving two models lost one of them). The names are resolved under the lock too."""
+    with _IMPORT_LOCK:
+        import transformers
+
+        return transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast
+
+
 def load_tokenizer(model_dir: str | os.PathLike, **kwargs: Any):
     """Return `transformers.AutoTokenizer.from_pretrained(model_dir)` (a fast tokenizer).
 
@@ -39,7 +54,7 @@ def load_tokenizer(model_dir: str | os.PathLike, **kwargs: Any):
         return _load_gguf_tokenizer(path, **kwargs)
     load_tokenizer_file_check(path)
 
-    from transformers import AutoTokenizer
+    AutoTokenizer = _transformers()[0]  # noqa: N806 (transformers' name)
 
     try:
         tok = AutoTokenizer.from_pretrained(str(path), **kwargs)
@@ -55,7 +70,7 @@ def _load_gguf_tokenizer(path: Path, **kwargs: Any):
 
     PreTrainedTokenizerFast takes `gguf_file` directly; AutoTokenizer would first rebuild the
     whole model config from the file with the slow reader (~10x longer) only to pick this class."""
-    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = _transformers()[1]  # noqa: N806 (transformers' name)
 
     try:
         tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)

@@ -89,7 +89,8 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
             children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine]))
     if gateway:
         gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
-                         models=[model], curve_keys=curve_keys, nice=args.gateway_nice)
+                         models=[model], curve_keys=curve_keys, nice=args.gateway_nice,
+                         ui=not getattr(args, "no_ui", False))
         children.append(Child("gateway", base + ["gateway", *to_cli_args(gw, skip=("curve_client",))],
                               role="gateway"))
     return children
@@ -265,6 +266,9 @@ def main(args) -> int:
         if gateway is not None:
             print(f"gateway      pid {gateway.proc.pid}  http://{args.host}:{args.gateway_port}/v1  (OpenAI API; "
                   f"/health, /metrics)", flush=True)
+            if not getattr(args, "no_ui", False):
+                print(f"console      http://{args.host}:{args.gateway_port}/  (chat playground; /cluster: the live "
+                      "cluster view)", flush=True)
         if not curve_keys:
             print(f"CURVE off: any process that reaches ports {args.port}-{args.port + 3} (on loopback: any local "
                   "user) can submit requests, read prompts or join as a worker/detokenizer; to turn it on: "

@@ -53,7 +53,7 @@ MODELS_TTL_S = 5.0
 
 # ================================================================ the ASGI wrapper: auth, body size, counts
 class Outer:
-    """Pure ASGI: the API key on /v1/* and /tokenize, /detokenize (401), 413 for a body over
+    """Pure ASGI: the API key on /v1/*, /api/* and /tokenize, /detokenize (401), 413 for a body over
     `max_body_bytes` (by Content-Length, or counted as it arrives), this gateway's request
     counters; then the completion endpoints' own handler, or FastAPI for the rest."""
 
@@ -76,7 +76,7 @@ class Outer:
 
         headers = dict(scope.get("headers", []))
         try:
-            if self.key is not None and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            if self.key is not None and (path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize")):
                 scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
                 if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                     return await APIError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
@@ -331,8 +331,12 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         tok = await gw.tokenizer(model)
         return {"prompt": tok.decode(req.tokens)}
 
+    if cfg.ui:
+        from services.gateway.console import add_console
+
+        add_console(app, gw)
     return Outer(app, cfg, gw)
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-               "/detokenize"}
+               "/detokenize", "/", "/cluster", "/api/cluster"}

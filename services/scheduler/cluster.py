@@ -116,6 +116,7 @@ class Cluster:
             raise InvalidRequest(f"model {model!r} is not served by this cluster; served models: {served}"
                                  if served else "this scheduler serves no model; start it with --model DIR")
         if len(self.live) >= self.cfg.max_queue_len:
+            self.metrics.refused()
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
         params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)

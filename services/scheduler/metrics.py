@@ -150,7 +150,8 @@ class SchedulerMetrics:
         self._models: set[str] = set()
         # plain totals for summary() (StatsReply, `zeroserve status`)
         self.totals = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
-                       "requeued": 0, "preemptions": 0, "prefix_cache_hits": 0, "prefix_cache_queries": 0}
+                       "requeued": 0, "preemptions": 0, "prefix_cache_hits": 0, "prefix_cache_queries": 0,
+                       "refused": 0}
         self._sums = {"ttft": [0.0, 0], "itl": [0.0, 0], "e2e": [0.0, 0], "queue": [0.0, 0]}
 
     def _obs(self, name: str, hist: Histogram, model: str, v: float) -> None:
@@ -215,6 +216,10 @@ class SchedulerMetrics:
     def forget(self, key: str) -> None:
         """A request that failed (an error reply): no success, no latency."""
         self._req.pop(key, None)
+
+    def refused(self) -> None:
+        """A request turned away at admission (the cluster is full: the client gets Overloaded)."""
+        self.totals["refused"] += 1
 
     def requeued(self, model: str, n: int = 1) -> None:
         self.requeued_total.labels(model).inc(n)
@@ -286,6 +291,8 @@ class SchedulerMetrics:
         out: dict[str, Any] = dict(self.totals)
         for name, (s, n) in self._sums.items():
             out[f"{name}_mean_s"] = round(s / n, 6) if n else None
+            # the sums and counts too: a poller (the web console) takes the mean over its own window
+            out[f"{name}_sum_s"], out[f"{name}_count"] = round(s, 6), n
         q = self.totals["prefix_cache_queries"]
         out["prefix_cache_hit_rate"] = round(self.totals["prefix_cache_hits"] / q, 4) if q else None
         return out
