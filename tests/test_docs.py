@@ -10,9 +10,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# Written by the console branch (issue 25's web console), which is merged separately: until it is,
-# links to these are expected to dangle here. The lead removes this set after merging it.
-FROM_CONSOLE_BRANCH = {"docs/console.md", "docs/img/console-chat.png", "docs/img/console-cluster.png"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
@@ -50,9 +47,6 @@ def broken_links(path: Path) -> list[str]:
             continue
         file_part, _, anchor = target.partition("#")
         dest = (path.parent / file_part).resolve() if file_part else path
-        rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
-        if rel in FROM_CONSOLE_BRANCH and not dest.exists():
-            continue
         if not dest.exists():
             out.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
