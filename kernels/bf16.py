@@ -38,10 +38,34 @@ def turned_off() -> bool:
     return os.environ.get("ZEROSERVE_CPU_BF16", "1").lower() in ("0", "false", "no", "off")
 
 
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] float -> the bf16 panel `linear` reads: oneDNN's prepacked (blocked) layout where
+    torch has it, else a plain contiguous bf16 tensor. Why prepacked: F.linear on a plain bf16
+    weight re-lays it out on every call, which at decode sizes costs more than the GEMM (2 EPYC
+    cores, 3072x576: 0.235 ms at 8 rows plain vs 0.150 prepacked, 0.143 vs 0.070 at 1 row)."""
+    plain = w.to(torch.bfloat16).contiguous()
+    if not torch.backends.mkldnn.is_available():
+        return plain
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(plain, None)
+    except (RuntimeError, AttributeError):  # a torch build without the op
+        return plain
+
+
+def dense(w_bf16: torch.Tensor) -> torch.Tensor:
+    """A panel as a plain [N, K] bf16 tensor (for tests and the twin)."""
+    return w_bf16.to_dense() if w_bf16.is_mkldnn else w_bf16
+
+
 def linear(x: torch.Tensor, w_bf16: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (any float dtype) @ w_bf16[N, K].T (+ bias) in bf16, returned in x's dtype.
-    The bias is added in fp32 after the GEMM (it is not rounded to bf16)."""
-    y = F.linear(x.to(torch.bfloat16), w_bf16)
+    """x [..., K] (any float dtype) @ w_bf16[N, K].T (+ bias) in bf16, returned in x's dtype;
+    `w_bf16` as `pack` made it. The bias is added in fp32 after the GEMM (not rounded to bf16)."""
+    xb = x.to(torch.bfloat16)
+    if w_bf16.is_mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(xb if xb.is_contiguous() else xb.contiguous(), w_bf16, None,
+                                               "none", [], "")
+    else:
+        y = F.linear(xb, w_bf16)
     y = y.to(x.dtype) if x.dtype != torch.bfloat16 else y
     if bias is not None:
         y = y + bias.to(y.dtype)
@@ -52,7 +76,7 @@ def linear_twin(x: torch.Tensor, w_bf16: torch.Tensor, bias: torch.Tensor | None
     """What `linear` computes, spelled in fp32: both operands rounded to bf16, products summed in
     fp32 (here by the fp32 GEMM), the sum rounded to bf16. The reference for the tests (any CPU:
     no bf16 instruction involved)."""
-    y = F.linear(x.to(torch.bfloat16).float(), w_bf16.float()).to(torch.bfloat16).to(x.dtype)
+    y = F.linear(x.to(torch.bfloat16).float(), dense(w_bf16).float()).to(torch.bfloat16).to(x.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y
@@ -73,7 +97,7 @@ def attach(model: torch.nn.Module, min_rows: int = DEFAULT_MIN_ROWS) -> int:
         if "weight" not in m._parameters and m.qweight is None:
             continue  # a tied LM head: its embedding holds the weight (and the panel)
         if m.bf16_weight is None:
-            m.bf16_weight = m.float_weight(torch.float32).to(torch.bfloat16).contiguous()
+            m.bf16_weight = pack(m.float_weight(torch.float32))
         m.bf16_min_rows = min_rows
         total += m.bf16_weight.numel() * 2
     return total

@@ -41,12 +41,14 @@ def test_panel_linear_matches_fp32_spelling(rows):
     x = torch.randn(rows, 576, generator=g)
     w = torch.randn(320, 576, generator=g).to(torch.bfloat16)
     bias = torch.randn(320, generator=g)
-    y, ref = bf16.linear(x, w, bias), bf16.linear_twin(x, w, bias)
-    assert y.dtype == torch.float32 and y.shape == (rows, 320)
-    # both round the same fp32 sum to bf16; only the summation order differs: at most one bf16
-    # ulp of the output apart
+    ref = bf16.linear_twin(x, w, bias)
     ulp = ref.abs().clamp_min(1e-3) * 2.0 ** -7
-    assert ((y - ref).abs() <= ulp + 1e-4).all()
+    for panel in (bf16.pack(w), w):  # oneDNN's prepacked layout, and the plain fallback
+        y = bf16.linear(x, panel, bias)
+        assert y.dtype == torch.float32 and y.shape == (rows, 320)
+        # both round an fp32 sum to bf16; only the summation order differs: at most one bf16
+        # ulp of the output apart
+        assert ((y - ref).abs() <= ulp + 1e-4).all()
     exact = torch.nn.functional.linear(x, w.float(), bias)
     assert torch.allclose(y, exact, rtol=0, atol=float(exact.abs().max()) * 2e-2)  # bf16 x rounding
 
@@ -58,7 +60,7 @@ def test_layer_uses_panel_from_min_rows_and_exact_path_below():
     lin.set_quantized(qw)
     model = torch.nn.Sequential(lin)
     assert bf16.attach(model, 8) == 128 * 256 * 2
-    assert torch.equal(lin.bf16_weight, qw.dequantize().to(torch.bfloat16))  # the exact values, rounded
+    assert torch.equal(bf16.dense(lin.bf16_weight), qw.dequantize().to(torch.bfloat16))  # the exact values, rounded
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
     assert torch.equal(lin(x[:7]), qw.linear(x[:7]))  # below min_rows: the packed path untouched
     assert torch.equal(lin(x), bf16.linear(x, lin.bf16_weight))
