@@ -98,10 +98,8 @@ def resolve_kv_dtype(name: str | None, compute_dtype: torch.dtype) -> torch.dtyp
 def cpu_bf16_or_fp32(cfg: ModelConfig | None) -> torch.dtype:
     """bf16 where this CPU has it natively and a linear of the model's shape is measurably faster
     in it; fp32 otherwise. The figures are logged: the choice can be checked, and overridden with
-    --dtype. ZEROSERVE_CPU_BF16=0 (kernels/bf16.py) keeps fp32."""
-    from kernels import bf16
-
-    if not cpu_native.native_bf16() or bf16.turned_off():
+    --dtype."""
+    if not cpu_native.native_bf16():
         return torch.float32
     rows = min(cfg.intermediate_size if cfg else PROBE_MAX_DIM, PROBE_MAX_DIM)
     cols = min(cfg.hidden_size if cfg else PROBE_MAX_DIM, PROBE_MAX_DIM)
