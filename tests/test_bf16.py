@@ -201,3 +201,23 @@ def test_smollm2_bf16_greedy_agreement_reported():
               for x, y in zip(out["float32"], out["bfloat16"])]
     print(f"SmolLM2 Q4_1 bf16 panels vs fp32: identical greedy prefix per prompt {prefix} of {N_TOKENS}")
     assert sum(prefix) >= len(PROMPTS) * N_TOKENS // 4
+
+
+def test_compiled_decode_step_leaves_panel_sized_batches_to_the_layers():
+    """The compiled fp32 decode step (cpu_step.py) must not take a batch the panels cover."""
+    llm = LLM(str(model_dir("llama")), quantization="int4", matmul_dtype="float32", num_kv_blocks=160)
+    r = llm.engine.runner
+    step = r.model._cpu_step()
+    if step is None:
+        pytest.skip("compiled decode step unavailable here")
+
+    def applies(batch):
+        ids, pos, meta, _ = matmul_probe._step_inputs(matmul_probe.StepShape("d", batch, batch, 1, 16), r.block_size,
+                                                      r.model.cfg.vocab_size)
+        return step.applies(meta, r.model.embed_tokens(ids), r.kv_caches)
+
+    assert applies(4) and applies(8)
+    bf16.attach(r.model, 8)
+    assert applies(4) and not applies(8)
+    bf16.detach(r.model)
+    assert applies(8)
