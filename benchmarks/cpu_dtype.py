@@ -106,13 +106,15 @@ def concurrent_runs(model, a, fp32_llm, kw) -> list[dict]:
             prompts = [_prompt(a.concurrent_prompt) for _ in range(a.concurrent)]
             best[c] = max(best.get(c, 0.0), concurrent(llm, prompts, a.concurrent_output))
     name = f"{a.concurrent} concurrent {a.concurrent_prompt}/{a.concurrent_output}"
-    return [{"shape": name, "fp32 tok/s": best["fp32"], "auto tok/s": best["auto"], "auto / fp32": best["auto"] / best["fp32"],
+    return [{"shape": name, "fp32 tok/s": best["fp32"], "auto tok/s": best["auto"],
+             "auto / fp32": best["auto"] / best["fp32"],
              "auto chose": auto.engine.runner.matmul_dtype, "auto load s": probe_s}]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads, as the worker's --threads (default: all cores)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads, as the worker's --threads "
+                                                                "(default: all cores)")
     ap.add_argument("--batches", default="1,8,16", help="decode batch sizes")
     ap.add_argument("--prompts", default="256,1024,2048,8x256", help="prefill shapes (tokens, or requests x tokens)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in a decode run")
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
     env = environment()
     native = cpu_native.native_bf16()
     print(f"CPU: {cpu_native.cpu_model()}; native bf16: {native} "
-          f"({sorted(cpu_native.cpu_flags() & cpu_native.NATIVE_BF16_FLAGS) or 'no avx512_bf16 / amx_bf16 / bf16 flag'})"
+          f"({sorted(cpu_native.cpu_flags() & cpu_native.NATIVE_BF16_FLAGS) or 'no bf16 flag'})"
           f"; torch threads {threads}; load average {loadavg()}")
     model = smollm2_path()
     rows, e2e, agree, auto = [], [], {}, None

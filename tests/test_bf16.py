@@ -177,9 +177,10 @@ def test_tiny_model_bf16_end_to_end_close_to_fp32():
     fp32 is printed (not required identical: random tiny weights have near ties)."""
     prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(10)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in _runner("float32")[0].generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    ref = [o.outputs[0].token_ids for o in _runner("float32")[0].generate(reqs, sp)]
     llm, _ = _runner("bfloat16", kv_cache_dtype="bfloat16")
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    got = [o.outputs[0].token_ids for o in llm.generate(reqs, sp)]
     assert all(len(g) == 12 for g in got)
     same = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y))
     print(f"tiny llama bf16 vs fp32 greedy tokens equal: {same}/{12 * len(prompts)}")

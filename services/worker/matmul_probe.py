@@ -121,7 +121,8 @@ def _auto_ineligible(runner) -> str | None:
     return None
 
 
-def measure(runner, budget_s: float = 1.5, min_reps: int = 2) -> tuple[dict[int, tuple[float, float]], dict[str, float]]:
+def measure(runner, budget_s: float = 1.5,
+            min_reps: int = 2) -> tuple[dict[int, tuple[float, float]], dict[str, float]]:
     """Fastest seconds per step, fp32 vs bf16 panels, for each of `probe_shapes`: rows ->
     (fp32, bf16), and "<shape> <dtype>_ms"-style names -> seconds for the log. The model must
     have its panels attached; their row threshold is left at NEVER."""
