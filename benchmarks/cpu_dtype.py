@@ -15,7 +15,8 @@ engine per configuration, the configurations interleaved in every repeat (best o
 Configurations: fp32 (`--matmul-dtype float32`, the exact reference), bf16 (`--matmul-dtype
 bfloat16`, panels from --bf16-min-rows rows) and bf16+kv (the same with `--kv-cache-dtype
 bfloat16`). Then what `--matmul-dtype auto` decides here, with its step timings (the start-up
-probe the worker runs), and the one-linear probe of `--dtype auto`.
+probe the worker runs), one linear of SmolLM2's shapes in each kernel (`linear_table`) and the
+one-linear probe of `--dtype auto`.
 
     .venv/bin/python benchmarks/cpu_dtype.py [--threads 2] [--batches 1,8,16] [--prompts 256,1024,2048,8x256]
         [--decode-tokens 32] [--repeats 2] [--bf16-min-rows 8] [--json]
@@ -111,6 +112,41 @@ def concurrent_runs(model, a, fp32_llm, kw) -> list[dict]:
              "auto chose": auto.engine.runner.matmul_dtype, "auto load s": probe_s}]
 
 
+def linear_table(row_counts=(1, 8, 16, 32, 64, 256), reps: int = 30) -> list[dict]:
+    """ms per linear (best of `reps`, weights cache-resident) for SmolLM2's gate/up and down
+    shapes: the packed Q4 kernel (kernels/csrc/qmatmul.c, the weights int4-quantized), fp32
+    F.linear on the dequantized weight, bf16 F.linear on a plain bf16 weight, and the bf16 panel
+    as served (oneDNN prepacked, kernels.bf16.linear)."""
+    import torch
+
+    from kernels import bf16, cpu_native, quant
+
+    def best(f):
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * min(ts)
+
+    lib, out = cpu_native.quant_lib(), []
+    for n, k in ((3072, 576), (576, 1536)):
+        qw = quant.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), 32)
+        wd = qw.dequantize()
+        wb, wp = wd.bfloat16(), bf16.pack(wd)
+        for m in row_counts:
+            x = torch.randn(m, k)
+            row = {"linear": f"{n}x{k}", "rows": m}
+            if lib is not None:
+                row["q4 kernel ms"] = best(lambda: quant.kernel_linear(lib, qw, x))
+            row.update({"fp32 ms": best(lambda: torch.nn.functional.linear(x, wd)),
+                        "bf16 plain ms": best(lambda: torch.nn.functional.linear(x.bfloat16(), wb)),
+                        "bf16 panel ms": best(lambda: bf16.linear(x, wp))})
+            out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads, as the worker's --threads "
@@ -193,6 +229,8 @@ def main(argv=None) -> int:
                 **{k: round(v * 1e3, 2) for k, v in table.items()}}
         print(f"--matmul-dtype auto here: {'float32 (no native bf16)' if not native else auto['min_rows'] or 'float32'}"
               f" (bf16 from that many rows); probe step ms: {table and {k: auto[k] for k in table}}")
+    lin = linear_table()
+    print_table(lin)
     for name, (n, k) in SHAPES.items():
         t = probe_linear(n, k, budget_s=0.3)
         for tokens in (1, 64):
@@ -204,7 +242,7 @@ def main(argv=None) -> int:
     print(f"--dtype auto for a bf16 checkpoint on this CPU: {str(dt).removeprefix('torch.')}")
     if a.json:
         json_line({"bench": "cpu_dtype", "native_bf16": native, "threads": threads, "engine": e2e,
-                   "agreement": agree, "matmul_auto": auto, "probe": rows, "auto": str(dt), "env": env})
+                   "agreement": agree, "matmul_auto": auto, "linears": lin, "probe": rows, "auto": str(dt), "env": env})
     return 0
 
 
