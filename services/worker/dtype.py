@@ -80,6 +80,21 @@ def resolve_dtype(
     return _DTYPE_NAMES[name]
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_dtype(name: str | None, compute_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype`: "auto" (or None) = the compute dtype; float32 or bfloat16 (half an fp32
+    cache's bytes: keys and values rounded to bf16 when written, widened to fp32 when read)."""
+    key = (name or "auto").strip().lower().replace("torch.", "")
+    key = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(key, key)
+    if key == "auto":
+        return compute_dtype
+    if key not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"unsupported kv_cache_dtype {name!r}; use 'auto', 'float32' or 'bfloat16'")
+    return KV_CACHE_DTYPES[key]
+
+
 def cpu_bf16_or_fp32(cfg: ModelConfig | None) -> torch.dtype:
     """bf16 where this CPU has it natively and a linear of the model's shape is measurably faster
     in it; fp32 otherwise. The figures are logged: the choice can be checked, and overridden with

@@ -17,7 +17,8 @@ from common.messages import Step, StepResult
 from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
 from kernels import AttentionMetadata, get_ops, resolve_backend
-from services.worker.dtype import resolve_dtype
+from services.worker import matmul_probe
+from services.worker.dtype import resolve_dtype, resolve_kv_dtype
 from services.worker.model import load_model
 from services.worker.sampler import SamplingTensors, sample
 
@@ -53,13 +54,15 @@ class ModelRunner:
                                 quantization=getattr(args, "quantization", None),
                                 expert_parallel=getattr(args, "enable_expert_parallel", False))
         self.block_size = args.block_size
+        self.kv_dtype = resolve_kv_dtype(getattr(args, "kv_cache_dtype", "auto"), self.dtype)
         self.num_blocks = self._kv_capacity()
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.model.num_layers)
         ]
+        self.matmul_dtype = matmul_probe.configure(self)  # bf16 panels for big steps (CPU), maybe measured
         self.reqs: dict[str, _ReqState] = {}
         self.eos_token_ids = list(model_cfg.eos_token_ids)
         self.vocab_size = model_cfg.vocab_size
@@ -68,7 +71,7 @@ class ModelRunner:
     # ---- capacity ---------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.kv_dtype).bits // 8
 
     def param_bytes(self) -> int:
         return self.model.weight_bytes()  # float parameters + packed (quantized) weights

@@ -69,6 +69,8 @@ class CpuDecodeStep:
             rows.append(row)
         self.layers = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), L_WORDS)
         self._caches_key = None
+        # bf16 panels (kernels/bf16.py) take steps from their row count on: the Python path runs those
+        self._panel_probe = model.layers[0].mlp.gate_up_proj if model.num_layers else None
 
     @classmethod
     def build(cls, model) -> CpuDecodeStep | None:
@@ -97,6 +99,9 @@ class CpuDecodeStep:
         if meta.max_query_len > 1 or meta.block_tables.shape[0] != t or t == 0 or not hidden.is_contiguous():
             return False
         if t >= FLOAT_MATMUL_MIN_ROWS:  # big batches: the Python path's float GEMMs are faster
+            return False
+        p = self._panel_probe
+        if p is not None and p.bf16_weight is not None and t >= p.bf16_min_rows:
             return False
         k0 = kv_caches[0][0] if kv_caches else None
         return k0 is None or (k0.dtype == torch.float32 and k0.is_contiguous())

@@ -12,7 +12,9 @@ Quantized weights: every linear (and the embedding / LM head) is a `QuantizableW
 either the float `weight` parameter or, after `set_quantized(qw)`, a packed
 `kernels.quant.QuantizedWeight` of the same shard (the float parameter is dropped). The matmul
 then reads the packed bytes through `QuantizedWeight.linear` (the compiled kernel on CPU,
-dequantize-then-matmul elsewhere). A quantized embedding looks its rows up by dequantizing only
+dequantize-then-matmul elsewhere). With bf16 panels attached (kernels/bf16.py) a step of
+enough rows multiplies on a bf16 copy instead, the exact weight kept for the others. A
+quantized embedding looks its rows up by dequantizing only
 the gathered rows, so a tied LM head and the embedding share one packed copy. Vocab shards keep
 only their real rows packed; the LM head pads the logits of a shard's padding rows with zeros.
 """
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import ModelLoadError
+from kernels import bf16
 from kernels.quant import QuantizedWeight
 
 
@@ -85,6 +88,9 @@ class QuantizableWeight(nn.Module):
     """A module whose `weight` [rows, cols] may be replaced by a packed QuantizedWeight."""
 
     qweight: QuantizedWeight | None = None
+    # a bf16 copy of the weight for steps of at least bf16_min_rows rows (kernels/bf16.py)
+    bf16_weight: torch.Tensor | None = None
+    bf16_min_rows: int = 1 << 62
 
     @property
     def quantized(self) -> bool:
@@ -105,6 +111,8 @@ class QuantizableWeight(nn.Module):
         self._packed_rows = want[0]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.bf16_weight is not None and x.numel() >= self.bf16_min_rows * x.shape[-1]:
+            return bf16.linear(x, self.bf16_weight, bias)
         if self.qweight is not None:
             return self.qweight.linear(x, bias)
         return F.linear(x, self.weight, bias)
