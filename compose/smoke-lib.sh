@@ -37,6 +37,12 @@ busy = [g for g in s["groups"] if g["state"] == "ready" and (g.get("running") or
 sys.exit(len(busy) < int(sys.argv[1]))' "$1"
 }
 
+# requests routed again after their group ended, and the groups now (scheduler metrics, via the gateway)
+requeued() {
+  curl -fsS "http://127.0.0.1:$http_port/metrics" | grep -E '^zeroserve:requests_requeued_total' || echo "requeued: 0"
+  stats | python3 -c 'import json,sys; s=json.load(sys.stdin); print("groups:", [(g["name"], g["state"]) for g in s["groups"]])'
+}
+
 model_init_done() {
   local c; c="$(docker ps -aq -f "label=com.docker.compose.project=$project" -f "label=com.docker.compose.service=model-init" | head -1)"
   [ -n "$c" ] || return 1
@@ -62,7 +68,7 @@ for f in sorted(os.listdir(src)):
         with open(f"{out}/{name}/index.html", "a") as h:
             h.write(f'<a href="{f.replace("+", "%2B")}">{f}</a>\n')
 PY
-  local port; port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')"
+  local port="${SMOKE_WHEELS_PORT:-8765}"   # fixed: the URL is a build argument, part of the layer cache key
   (cd "$work/index" && exec python3 -m http.server "$port" --bind "$gw" >"$work/index.log" 2>&1) &
   wheel_pid=$!
   export ZEROSERVE_TORCH_INDEX_URL="http://$gw:$port/" ZEROSERVE_PIP_TRUSTED_HOST="$gw"

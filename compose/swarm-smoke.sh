@@ -78,5 +78,6 @@ echo "docker kill ${victim:0:12} (a task of ${SWARM_STACK}_worker)"
 docker kill "$victim" >/dev/null
 wait "$load_pid" || { cat "$work/load.out"; fail "the load did not finish"; }
 cat "$work/load.out"
+requeued
 wait_for "3 READY groups again (Swarm replaced the task)" 600 ready_groups 3
 docker service ps "${SWARM_STACK}_worker" --format '{{.Name}} {{.CurrentState}} {{.Error}}'
