@@ -1,4 +1,5 @@
 # Helpers shared by compose/smoke.sh and compose/swarm-smoke.sh (sourced; they set $work).
+trap 'exit 143' TERM INT   # a stopped run fails (the EXIT trap still cleans up)
 step() { printf '\n=== %s  [%s]\n' "$*" "$(date -u +%H:%M:%S)"; }
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
@@ -72,7 +73,9 @@ PY
   (cd "$work/index" && exec python3 -m http.server "$port" --bind "$gw" >"$work/index.log" 2>&1) &
   wheel_pid=$!
   export ZEROSERVE_TORCH_INDEX_URL="http://$gw:$port/" ZEROSERVE_PIP_TRUSTED_HOST="$gw"
-  sleep 1
+  local first; first="$(ls "$work/index" | head -1)"
+  # pip would quietly take torch from PyPI instead (a CUDA build, gigabytes): the index must answer
+  wait_for "the wheel index answers" 15 curl -fsS -o /dev/null "$ZEROSERVE_TORCH_INDEX_URL$first/"
   echo "local wheel index for the build: $ZEROSERVE_TORCH_INDEX_URL ($(ls "$work/index" | tr '\n' ' '))"
 }
 stop_wheel_index() { [ -z "$wheel_pid" ] || { kill "$wheel_pid" 2>/dev/null || true; wait "$wheel_pid" 2>/dev/null || true; wheel_pid=""; }; }
