@@ -9,7 +9,9 @@
 # The image (ZEROSERVE_IMAGE, zeroserve:cpu) must exist on the node: build it first
 # (compose/smoke.sh builds it, or `docker-compose -f compose/docker-compose.yml build`).
 # Settings: SMOKE_STACK (zeroserve-smoke), SMOKE_MESH=1 to use the routing mesh even where this
-# kernel lacks IPVS (by default it is used only where /proc/net/ip_vs exists), SMOKE_KEEP=1.
+# kernel lacks IPVS (by default it is used only where /proc/net/ip_vs exists), SMOKE_KEEP=1,
+# SMOKE_CURVE=1 to run it all with CURVE: fresh keys (`zeroserve keys`, run in the image) deployed
+# as Docker secrets (docker-stack.curve.yml).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 gguf="${1:?usage: compose/swarm-smoke.sh MODEL.gguf}"
@@ -26,6 +28,14 @@ if [ "${SMOKE_MESH:-0}" != 1 ] && [ ! -e /proc/net/ip_vs ]; then
   mesh="no IPVS in this kernel: DNS round robin and host-mode ports (docker-stack.host-ports.yml)"
 else
   mesh="routing mesh (ingress) and service VIPs"
+fi
+
+if [ "${SMOKE_CURVE:-0}" = 1 ]; then
+  mkdir -p "$work/keys" && chown 10001:10001 "$work/keys"
+  docker run --rm -v "$work/keys:/out" "${ZEROSERVE_IMAGE:-zeroserve:cpu}" keys /out/k >/dev/null
+  export ZEROSERVE_CURVE_KEYS_DIR="$work/keys/k"
+  files+=(-c "$here/docker-stack.curve.yml")
+  mesh="$mesh; CURVE keys as Docker secrets"
 fi
 
 mkdir -p "$work/models"
@@ -45,6 +55,7 @@ cleanup() {
     done
     docker ps -a -f "label=com.docker.stack.namespace=$SWARM_STACK"
     docker volume rm "${SWARM_STACK}_models" >/dev/null 2>&1 || true
+    docker secret ls -q -f "label=com.docker.stack.namespace=$SWARM_STACK" | xargs -r docker secret rm >/dev/null
     rm -rf "$work"
   fi
   [ $rc = 0 ] && echo "SWARM SMOKE PASSED" || echo "SWARM SMOKE FAILED (rc=$rc)"
@@ -66,7 +77,7 @@ step "Python client: one chat request (inside the gateway task)"
 client gateway chat
 
 step "docker service scale ${SWARM_STACK}_worker=3"
-docker service scale "${SWARM_STACK}_worker=3"
+docker service scale --detach "${SWARM_STACK}_worker=3"
 wait_for "3 READY groups" 600 ready_groups 3
 
 step "kill a worker task under load"
