@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end check of the Compose stack serving a GGUF model, as a user runs it:
 #   build, up, one chat request over HTTP and one through the Python client, scale to 2 workers,
-#   kill one worker under load (every request must finish with all its tokens), down.
+#   kill one worker under load (every request must finish with all its tokens), scale back to 2,
+#   scale down to 1 under load (the stopped worker drains: every request finishes), down.
 #
 #   compose/smoke.sh /path/to/SmolLM2-135M-Instruct.Q4_1.gguf
 #
@@ -88,4 +89,14 @@ requeued
 step "back to 2 workers"
 dc up -d --no-recreate --scale worker=2
 wait_for "2 READY groups again" 600 ready_groups 2
+
+# scaling down sends SIGTERM: the worker drains its running requests before it exits 0
+step "scale down to 1 worker under load"
+client gateway load 16 > "$work/load2.out" 2>&1 &
+load_pid=$!
+wait_for "requests running on both groups" 120 running_on_groups 2
+dc up -d --no-recreate --scale worker=1
+wait "$load_pid" || { cat "$work/load2.out"; fail "the load did not finish"; }
+cat "$work/load2.out"
+requeued
 dc ps

@@ -2,7 +2,8 @@
 # End-to-end check of the stack on Docker Swarm (a single-node swarm will do: `docker swarm init`):
 #   deploy serving a GGUF model, one chat request over HTTP and one through the Python client,
 #   `docker service scale zeroserve_worker=3`, kill a worker task under load (every request must
-#   finish with all its tokens), `docker stack rm`.
+#   finish with all its tokens), scale down to 2 under load (the stopped task drains and exits 0,
+#   as on a drained node), `docker stack rm`.
 #
 #   compose/swarm-smoke.sh /path/to/SmolLM2-135M-Instruct.Q4_1.gguf
 #
@@ -43,6 +44,12 @@ cp "$gguf" "$work/models/"
 chown -R 10001:10001 "$work/models" 2>/dev/null || chmod -R a+rwX "$work/models"
 export ZEROSERVE_MODELS_DIR="$work/models" ZEROSERVE_MODEL="/models/$(basename "$gguf")" ZEROSERVE_WORKERS=1
 model_name="$(basename "$gguf" .gguf)"
+
+# a worker task that Swarm stopped exited 0: it drained (the killed one exited 137)
+drained_task() {
+  docker ps -aq -f "label=com.docker.swarm.service.name=${SWARM_STACK}_worker" -f status=exited \
+    | xargs -r docker inspect -f '{{.State.ExitCode}}' | grep -qx 0
+}
 
 cleanup() {
   rc=$?
@@ -92,3 +99,15 @@ cat "$work/load.out"
 requeued
 wait_for "3 READY groups again (Swarm replaced the task)" 600 ready_groups 3
 docker service ps "${SWARM_STACK}_worker" --format '{{.Name}} {{.CurrentState}} {{.Error}}'
+
+# what a drained node does to its tasks: SIGTERM, the worker drains its requests, exits 0
+step "scale down to 2 under load (SIGTERM, as on a drained node)"
+client gateway load 24 > "$work/load2.out" 2>&1 &
+load_pid=$!
+wait_for "requests running on 3 groups" 120 running_on_groups 3
+docker service scale --detach "${SWARM_STACK}_worker=2"
+wait "$load_pid" || { cat "$work/load2.out"; fail "the load did not finish"; }
+cat "$work/load2.out"
+requeued
+wait_for "the stopped task exited 0 (drained)" 120 drained_task
+docker service ps "${SWARM_STACK}_worker" --format '{{.Name}} {{.DesiredState}} {{.CurrentState}} {{.Error}}'
