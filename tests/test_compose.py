@@ -6,8 +6,9 @@ Compose would start it, as local processes: the service's entrypoint and command
 ENTRYPOINT `zeroserve` becomes `python -m services.cli`), the image's ENV plus the service's
 `environment`, `${VAR:-default}` interpolation done here, the service hostnames and the bind host
 mapped to 127.0.0.1, the container ports remapped to a block of free loopback ports, and the
-`models` volume mapped to a temporary directory. It honours `depends_on` conditions, starts
-`worker` twice (`--scale worker=2`), runs the healthchecks, serves requests and stops everything
+`models` volume mapped to a temporary directory. It starts services in `depends_on` order,
+restarts what exits as `restart: unless-stopped` does, starts `worker` twice (`--scale worker=2`),
+runs the healthchecks, serves requests and stops everything
 the way `docker compose down` does (SIGTERM in reverse dependency order, SIGKILL after the grace
 period).
 """
