@@ -45,10 +45,12 @@ chown -R 10001:10001 "$work/models" 2>/dev/null || chmod -R a+rwX "$work/models"
 export ZEROSERVE_MODELS_DIR="$work/models" ZEROSERVE_MODEL="/models/$(basename "$gguf")" ZEROSERVE_WORKERS=1
 model_name="$(basename "$gguf" .gguf)"
 
-# a worker task that Swarm stopped exited 0: it drained (the killed one exited 137)
+# a worker task that Swarm stopped since $1 (a unix time) exited 0: it drained. Swarm removes the
+# container of a task that scaling down removes, so the engine's event log is what remains.
 drained_task() {
-  docker ps -aq -f "label=com.docker.swarm.service.name=${SWARM_STACK}_worker" -f status=exited \
-    | xargs -r docker inspect -f '{{.State.ExitCode}}' | grep -qx 0
+  docker events --since "$1" --until "$(date +%s)" --filter event=die \
+      --filter "label=com.docker.swarm.service.name=${SWARM_STACK}_worker" --format '{{.Actor.Attributes.exitCode}}' \
+    | grep -qx 0
 }
 
 cleanup() {
@@ -105,9 +107,12 @@ step "scale down to 2 under load (SIGTERM, as on a drained node)"
 client gateway load 24 > "$work/load2.out" 2>&1 &
 load_pid=$!
 wait_for "requests running on 3 groups" 120 running_on_groups 3
+scaled_at="$(date +%s)"
 docker service scale --detach "${SWARM_STACK}_worker=2"
 wait "$load_pid" || { cat "$work/load2.out"; fail "the load did not finish"; }
 cat "$work/load2.out"
 requeued
-wait_for "the stopped task exited 0 (drained)" 120 drained_task
+wait_for "the stopped task exited 0 (drained)" 120 drained_task "$scaled_at"
+docker events --since "$scaled_at" --until "$(date +%s)" --filter event=die \
+  --filter "label=com.docker.swarm.service.name=${SWARM_STACK}_worker" --format '{{.Actor.Attributes.name}} died, exit code {{.Actor.Attributes.exitCode}}' 
 docker service ps "${SWARM_STACK}_worker" --format '{{.Name}} {{.DesiredState}} {{.CurrentState}} {{.Error}}'
