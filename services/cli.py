@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(bt, EngineArgs, skip=("tp_size", "max_queue_len"))  # one process; nothing queues
     add_cli_args(bt, ThreadArgs)
 
+    pm = sub.add_parser("prepare-model", help="check a model (HF directory or .gguf file) where the processes will "
+                                              "read it, copying it there first with --source; creates the built-in one")
+    from services.prepare_model import add_cli_args as add_prepare_model_args
+
+    add_prepare_model_args(pm)
+
     tm = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")
     from services.tiny_model import add_cli_args as add_tiny_model_args
 
@@ -330,6 +336,10 @@ def _run(args) -> int:
         return _batch(args)
     if args.cmd == "keys":
         return _keys(args)
+    if args.cmd == "prepare-model":
+        from services.prepare_model import run_cli as prepare_model
+
+        return prepare_model(args)
     if args.cmd == "make-tiny-model":
         from services.tiny_model import run_cli
 

@@ -6,8 +6,9 @@ Compose would start it, as local processes: the service's entrypoint and command
 ENTRYPOINT `zeroserve` becomes `python -m services.cli`), the image's ENV plus the service's
 `environment`, `${VAR:-default}` interpolation done here, the service hostnames and the bind host
 mapped to 127.0.0.1, the container ports remapped to a block of free loopback ports, and the
-`models` volume mapped to a temporary directory. It honours `depends_on` conditions, starts
-`worker` twice (`--scale worker=2`), runs the healthchecks, serves requests and stops everything
+`models` volume mapped to a temporary directory. It starts services in `depends_on` order,
+restarts what exits as `restart: unless-stopped` does, starts `worker` twice (`--scale worker=2`),
+runs the healthchecks, serves requests and stops everything
 the way `docker compose down` does (SIGTERM in reverse dependency order, SIGKILL after the grace
 period).
 """
@@ -41,10 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
 BASE_FILE = COMPOSE / "docker-compose.yml"
 GPU_FILE = COMPOSE / "docker-compose.gpu.yml"
+TP_FILE = COMPOSE / "docker-compose.tp.yml"
+TP_GPU_FILE = COMPOSE / "docker-compose.tp-gpu.yml"
+MONITORING_FILE = COMPOSE / "docker-compose.monitoring.yml"
 SCALE = 2
 DEFAULT_SERVICES = {"model-init", "scheduler", "detokenizer", "worker", "gateway"}
 LONG_RUNNING = {"scheduler", "detokenizer", "worker", "gateway"}
-MONITORING = {"prometheus", "grafana"}  # profile "monitoring": third-party images, not run here
+MONITORING = {"prometheus", "grafana"}  # docker-compose.monitoring.yml: third-party images, not run here
 
 # What the stack test sets, as a user would in compose/.env: one torch thread per worker on this
 # small shared box, and a small KV budget. Everything else takes the compose file's defaults.
@@ -196,10 +200,8 @@ def dockerfile() -> dict:
 # ---- static checks -------------------------------------------------------------------------
 def test_compose_structure():
     doc = load(BASE_FILE, {})
-    assert MONITORING <= set(doc["services"])
-    services = {n: s for n, s in doc["services"].items() if n not in MONITORING}
-    assert DEFAULT_SERVICES <= set(services)
-    assert set(default_services(doc)) == DEFAULT_SERVICES
+    services = doc["services"]
+    assert set(services) == set(default_services(doc)) == DEFAULT_SERVICES
 
     # one image, built from the repository root with compose/Dockerfile
     for name, svc in services.items():
@@ -234,11 +236,10 @@ def test_compose_structure():
     assert services["scheduler"]["healthcheck"]["test"][1:4] == ["zeroserve", "status", "--address"]
     assert duration_s(services["worker"]["stop_grace_period"]) >= 60  # the scheduler's drain timeout
 
-    # start order
-    assert depends(services["scheduler"]) == {"model-init": "service_completed_successfully"}
-    assert depends(services["detokenizer"]) == {"scheduler": "service_healthy"}
-    assert depends(services["worker"]) == {"scheduler": "service_healthy"}
-    assert depends(services["gateway"]) == {"scheduler": "service_healthy"}
+    # start order only (docker stack deploy reads no conditions): each process waits by itself
+    assert depends(services["scheduler"]) == {"model-init": "service_started"}
+    for name in ("detokenizer", "worker", "gateway"):
+        assert depends(services[name]) == {"scheduler": "service_started"}, name
     genv = env_map(services["gateway"]["environment"])
     assert genv["ZEROSERVE_SCHEDULER"] == "tcp://scheduler:7000" and genv["ZEROSERVE_HOST"] == "0.0.0.0"
     assert "http://127.0.0.1:8000/health" in services["gateway"]["healthcheck"]["test"][-1]
@@ -268,8 +269,16 @@ def test_compose_structure():
     assert wenv["ZEROSERVE_SCHEDULER"] == "tcp://scheduler:7001"
     assert env_map(services["detokenizer"]["environment"])["ZEROSERVE_SCHEDULER"] == "tcp://scheduler:7001"
 
-    # the tensor-parallel profile: one group, ranks 0..n-1, rank 0 advertises its own hostname
-    tp = {n: s for n, s in services.items() if "tp" in (s.get("profiles") or [])}
+    # the tensor-parallel override: one group, ranks 0..n-1, rank 0 advertises its own hostname;
+    # each shard runs what a worker runs
+    tp = load(TP_FILE, {})["services"]
+    for name, svc in tp.items():
+        for key in ("image", "init", "volumes", "depends_on", "command", "restart", "stop_grace_period", "healthcheck"):
+            assert svc[key] == services["worker"][key], (name, key)
+        wenv = env_map(services["worker"]["environment"])
+        tenv = env_map(svc["environment"])
+        assert {k: v for k, v in tenv.items() if k in wenv and k != "ZEROSERVE_TP_SIZE"} == \
+            {k: v for k, v in wenv.items() if k != "ZEROSERVE_TP_SIZE"}, name
     envs = [env_map(s["environment"]) for s in tp.values()]
     assert len(tp) >= 2 and len({e["ZEROSERVE_GROUP"] for e in envs}) == 1
     assert sorted(int(e["ZEROSERVE_TP_RANK"]) for e in envs) == list(range(len(tp)))
@@ -278,11 +287,12 @@ def test_compose_structure():
         assert env_map(svc["environment"])["ZEROSERVE_ADVERTISE_HOST"] == svc["hostname"] == name
 
 
-def test_monitoring_profile():
-    doc = load(BASE_FILE, {})
+def test_monitoring_override():
+    doc = {"services": {**load(BASE_FILE, {})["services"], **load(MONITORING_FILE, {})["services"]}}
+    assert set(load(MONITORING_FILE, {})["services"]) == MONITORING
     for name in MONITORING:
         svc = doc["services"][name]
-        assert svc["profiles"] == ["monitoring"] and all(h == "127.0.0.1" for h, _, _ in published(svc)), name
+        assert all(h == "127.0.0.1" for h, _, _ in published(svc)), name
         for v in svc.get("volumes", []):
             assert (COMPOSE / v.split(":")[0]).exists(), v
     prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
@@ -302,9 +312,8 @@ def test_commands_parse_with_the_cli():
     from services.cli import build_parser
 
     image = dockerfile()
-    doc = load(BASE_FILE, {})
     seen = 0
-    for svc in doc["services"].values():
+    for svc in [*load(BASE_FILE, {})["services"].values(), *load(TP_FILE, {})["services"].values()]:
         entry = svc.get("entrypoint") or image["entrypoint"]
         if entry == ["zeroserve"]:
             build_parser().parse_args(svc.get("command") or image["cmd"])
@@ -320,10 +329,13 @@ def test_commands_parse_with_the_cli():
 def test_gpu_override():
     base = load(BASE_FILE, {})
     gpu = load(GPU_FILE, {})
-    assert set(gpu["services"]) <= set(base["services"])
+    assert set(gpu["services"]) == set(base["services"])
     for name, svc in gpu["services"].items():
         assert svc["build"]["args"]["DEVICE"] == "cuda", name
         assert svc["image"] == "zeroserve:cuda", name
+    tp_gpu = load(TP_GPU_FILE, {})
+    assert set(tp_gpu["services"]) == set(load(TP_FILE, {})["services"])
+    gpu["services"].update(tp_gpu["services"])
     for name in ("worker", "worker-tp-rank0", "worker-tp-rank1"):
         svc = gpu["services"][name]
         assert env_map(svc["environment"])["ZEROSERVE_DEVICE"] == "cuda"
@@ -344,13 +356,15 @@ def test_every_variable_has_a_default_and_is_documented():
         if ln.strip() and not ln.lstrip().startswith("#"):
             k, _, v = ln.partition("=")
             example[k.strip()] = v.strip()
-    used = variables(load(BASE_FILE))
-    used_gpu = variables(load(GPU_FILE))
-    for name, default in {**used, **used_gpu}.items():
+    used = {}
+    for f in [BASE_FILE, GPU_FILE, TP_FILE, TP_GPU_FILE, MONITORING_FILE, *COMPOSE.glob("docker-stack*.yml")]:
+        used.update(variables(load(f)))
+    for name, default in used.items():
         assert default is not None, f"${{{name}}} needs a :- default so the stack starts without a .env"
         assert name in example, f"{name} is not documented in compose/.env.example"
-    for name, default in {**used, **used_gpu}.items():
         assert example[name] == default, f"{name}: .env.example says {example[name]!r}, compose {default!r}"
+    # docker-compose.model.yml's one required variable (no default: the host folder of your model)
+    assert "# ZEROSERVE_MODELS_DIR=" in (COMPOSE / ".env.example").read_text()
 
 
 def test_dockerfile():
@@ -361,20 +375,19 @@ def test_dockerfile():
     assert d["env"]["ZEROSERVE_CACHE"] == "/models"
     assert d["env"]["ZEROSERVE_LOG_JSON"] == "1"
     assert d["args"]["DEVICE"] == "cpu"
-    assert d["args"]["PYTHON_IMAGE"] == "python:3.11-slim"
-    assert d["args"]["CUDA_IMAGE"].startswith("nvidia/cuda:") and "runtime" in d["args"]["CUDA_IMAGE"]
-    assert d["froms"][-1] == "base-${DEVICE} AS runtime"
+    assert d["args"]["BASE_IMAGE"] == "python:3.11-slim"
+    assert d["froms"] == ["${BASE_IMAGE}"]
     text = (COMPOSE / "Dockerfile").read_text()
     assert "download.pytorch.org/whl/cpu" in text and "download.pytorch.org/whl/cu" in text
     # what the image copies exists and is not dropped by the build's ignore file
-    ignore = [ln.strip() for ln in (COMPOSE / "Dockerfile.dockerignore").read_text().splitlines()
+    ignore = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
               if ln.strip() and not ln.startswith("#")]
     assert ignore[0] == "*"
     sources = [src for srcs in d["copy"] for src in srcs]
     assert {"pyproject.toml", "README.md", "common", "kernels", "services", "zeroserve"} <= set(sources)
     for src in sources:
         assert (REPO / src).exists(), src
-        assert "!" + src.rstrip("/") in ignore, f"{src} is copied but excluded by Dockerfile.dockerignore"
+        assert "!" + src.rstrip("/") in ignore, f"{src} is copied but excluded by .dockerignore"
 
 
 # ---- the stack as local processes ----------------------------------------------------------
@@ -447,6 +460,8 @@ class Stack:
         self.scale = {name: scale if name == "worker" else 1 for name in self.services}
         self.procs: dict[str, list[subprocess.Popen]] = {}
         self.satisfied: set[tuple[str, str]] = set()
+        self.restarts: dict[str, int] = {}
+        self.exited_at: dict[tuple[str, int], float] = {}
         self._logs = []
         (self.tmp / "home").mkdir()
         for local in self.map.mounts.values():
@@ -469,14 +484,34 @@ class Stack:
         return self.map.argv([*self.image["entrypoint"], *(svc.get("command") or self.image["cmd"])])
 
     # -- processes
+    def _spawn(self, name: str, i: int) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}-{i + 1}.log", "ab")  # noqa: SIM115 (closed in close())
+        self._logs.append(log)
+        # From the main thread only: PR_SET_PDEATHSIG follows the forking thread.
+        return subprocess.Popen(self.argv(name), env=self.env(name), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)  # noqa: PLW1509
+
     def start(self, name: str) -> None:
-        for i in range(self.scale[name]):
-            log = open(self.tmp / f"{name}-{i + 1}.log", "ab")  # noqa: SIM115 (closed in close())
-            self._logs.append(log)
-            # From the main thread only: PR_SET_PDEATHSIG follows the forking thread.
-            p = subprocess.Popen(self.argv(name), env=self.env(name), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509
-            self.procs.setdefault(name, []).append(p)
+        self.procs[name] = [self._spawn(name, i) for i in range(self.scale[name])]
+
+    def supervise(self) -> None:
+        """Compose's `restart: unless-stopped`: a process that exited is started again. depends_on
+        orders only the starts, so e.g. the scheduler may look for the built-in model before
+        model-init has made it, exit, and come back (a few times at most)."""
+        for name, procs in self.procs.items():
+            if self.services[name].get("restart") not in ("unless-stopped", "always"):
+                continue
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    continue
+                # Docker's delay before the n-th restart: 100 ms, doubling, at most a minute
+                n = self.restarts.get(name, 0)
+                if time.monotonic() - self.exited_at.setdefault((name, i), time.monotonic()) < min(0.1 * 2 ** n, 60):
+                    continue
+                del self.exited_at[(name, i)]
+                self.restarts[name] = n + 1
+                assert n < 12, f"{name} keeps exiting ({p.returncode})\n{self.logs()}"
+                procs[i] = self._spawn(name, i)
 
     def healthcheck(self, name: str) -> subprocess.CompletedProcess:
         hc = self.services[name]["healthcheck"]
@@ -499,8 +534,7 @@ class Stack:
         elif condition == "service_healthy":
             last = None
             while True:
-                for p in self.procs[dep]:
-                    assert p.poll() is None, f"{dep} exited {p.returncode} before it was healthy\n{self.logs()}"
+                self.supervise()
                 last = self.healthcheck(dep)
                 if last.returncode == 0:
                     break
@@ -528,10 +562,7 @@ class Stack:
         deadline, last = time.monotonic() + timeout, None
         with Client(self.address, timeout_s=3.0) as c:
             while time.monotonic() < deadline:
-                for name, procs in self.procs.items():
-                    for p in procs:
-                        assert name not in LONG_RUNNING or p.poll() is None, \
-                            f"{name} exited {p.returncode}\n{self.logs()}"
+                self.supervise()
                 try:
                     last = c.stats()
                     ready = [g for g in last["groups"] if g["state"] == "ready"]
@@ -602,9 +633,12 @@ def test_compose_stack_runs_as_local_processes():
         assert stack.env("worker")["ZEROSERVE_CACHE"] == str(stack.tmp / "models")
 
         stack.up()
-        # model-init created the built-in model in the (mapped) volume on first use
-        assert (stack.tmp / "models" / "default-model" / "config.json").is_file()
         s = stack.wait_ready(groups=SCALE)
+        # model-init (or the first process to need it) created the built-in model in the (mapped) volume
+        assert (stack.tmp / "models" / "default-model" / "config.json").is_file()
+        assert stack.procs["model-init"][0].wait(timeout=120) == 0, stack.logs()
+        print("restarts before ready (start order only):", stack.restarts)
+        ready_restarts = dict(stack.restarts)
         groups = [g for g in s["groups"] if g["state"] == "ready"]
         assert len(groups) == SCALE and len({g["name"] for g in groups}) == SCALE
         assert all(g["tp_size"] == 1 and len(g["workers"]) == 1 for g in groups)
@@ -640,6 +674,8 @@ def test_compose_stack_runs_as_local_processes():
         assert sum(served.values()) >= 8 * len(prompts), served
         assert all(t > 0 for t in served.values()), f"one replica got no work: {served}"
 
+        stack.supervise()
+        assert stack.restarts == ready_restarts, f"a process exited while serving: {stack.restarts}\n{stack.logs()}"
         # stop like `docker compose down`; nothing may be left behind
         tree = set()
         for procs in stack.procs.values():
