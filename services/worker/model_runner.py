@@ -252,6 +252,8 @@ class ModelRunner:
             s.num_computed += n
         self.num_steps += 1
         out.step_time_s = time.perf_counter() - t0
+        if self.spec is not None and T == B + sum(len(d) for d in drafts.values()) and len(sample_rows) == B:
+            self.spec.timed(B, bool(drafts), out.step_time_s)  # a pure decode step
         return out
 
     # ---- speculative decoding (services/worker/spec_decode.py) --------------------------------
@@ -275,13 +277,20 @@ class ModelRunner:
             if k:
                 items.append((rid, s.token_ids, s, k))
                 rows.append(i)
-        drafts = {}
+        pure = bool((counts == 1).all())
+        if self.spec.costly and not self.spec.worth_it(len(states), pure, {it[0]: it[3] for it in items}):
+            return {}  # a draft model's proposal costs forwards: decide before making it
+        proposed = {}
         for i, (rid, _, s, k), d in zip(rows, items, self.spec.propose(items)):
             d = [int(t) for t in d[:k] if 0 <= int(t) < self.vocab_size]
             if d:
-                s.token_ids.extend(d)
-                drafts[i] = d
-        return drafts
+                proposed[i] = d
+        if not self.spec.costly and not self.spec.worth_it(len(states), pure,
+                                                           {req_ids[i]: len(d) for i, d in proposed.items()}):
+            return {}
+        for i, d in proposed.items():
+            states[i].token_ids.extend(d)
+        return proposed
 
     def _verify(self, out: StepResult, states, req_ids, drafts: dict, owner: np.ndarray, toks: np.ndarray,
                 counts: np.ndarray):

@@ -18,9 +18,15 @@ probability p(d) (a draft model's own tokens come from the same (seed, position)
 draft close to the target agrees with it as often as the two distributions overlap). The
 rejected drafts' K/V stay in their slots past num_computed, where the next step overwrites them.
 
-Adaptive: a request whose proposal was wholly rejected stops proposing for 1, 3, 7, 15 steps
-(doubling while it keeps missing), so a workload without repeats costs a lookup, not a
-(k+1)-token verify, on most steps.
+Adaptive, because a verify is not free: on CPU a decode-only step runs the compiled one-token
+step and a verifying step the layer-by-layer path, 2-3x its time at batch 1 (measured). The
+speculator keeps each request's acceptance rate (an EMA; new requests start from the runner's
+overall rate) and the runner's step times, decode-only and verifying, per batch size. A pure
+decode step keeps its drafts only when the tokens it expects, B + sum over requests of
+a + a^2 + ... + a^k, over the verify time beat B tokens over the decode time; a step that
+prefills anyway (not the compiled path) always keeps them. A request that proposed and had
+nothing accepted also pauses for 1, 3, 7, 15 steps. Requests that are not allowed to propose
+still probe every PROBE_EVERY steps, so a rate that fell can recover.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from __future__ import annotations
 import numpy as np
 
 MAX_BACKOFF_STEPS = 15
+PROBE_EVERY = 16
+EMA = 0.2  # weight of the newest observation
+DEFAULT_VERIFY_RATIO = 2.5  # verify / decode step time until both are measured at a batch size
 
 
 class NgramProposer:
@@ -56,11 +65,18 @@ class NgramProposer:
 
 
 class _Backoff:
-    __slots__ = ("misses", "skip")
+    __slots__ = ("misses", "skip", "alpha", "since")
 
-    def __init__(self) -> None:
+    def __init__(self, alpha: float) -> None:
         self.misses = 0
         self.skip = 0
+        self.alpha = alpha  # acceptance rate per draft token (EMA)
+        self.since = 0  # steps since it last verified drafts
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Accepted drafts out of k when each holds with probability alpha given the ones before."""
+    return sum(alpha ** j for j in range(1, k + 1))
 
 
 class Speculator:
@@ -69,7 +85,10 @@ class Speculator:
     def __init__(self, k: int, proposer) -> None:
         self.k = k
         self.proposer = proposer
+        self.costly = hasattr(proposer, "propose_batch")  # a model's forwards, not a lookup
         self._backoff: dict[str, _Backoff] = {}
+        self.alpha = 0.6  # the runner's acceptance rate, the prior of a new request
+        self._times: dict[tuple[int, bool], float] = {}  # (batch size, verifying) -> step seconds (EMA)
 
     def forget(self, live: set[str] | dict, new: list[str] = ()) -> None:
         """Drop the state of requests the runner no longer holds, and of those that came anew
@@ -81,13 +100,37 @@ class Speculator:
         if hasattr(self.proposer, "forget"):
             self.proposer.forget(live, new)
 
+    def _state(self, rid: str) -> _Backoff:
+        b = self._backoff.get(rid)
+        if b is None:
+            b = self._backoff[rid] = _Backoff(self.alpha)
+        return b
+
     def budget(self, rid: str, reserved: int) -> int:
         """Draft tokens request `rid` may propose now (0 while it backs off)."""
-        b = self._backoff.get(rid)
-        if b is not None and b.skip > 0:
+        b = self._state(rid)
+        b.since += 1
+        if b.skip > 0:
             b.skip -= 1
             return 0
         return min(self.k, reserved)
+
+    def worth_it(self, batch: int, pure_decode: bool, proposals: dict[str, int]) -> bool:
+        """Whether a step of `batch` requests should verify these proposals (req_id -> drafts)."""
+        if not proposals or not pure_decode:
+            return bool(proposals)
+        if any(self._state(r).since >= PROBE_EVERY for r in proposals):
+            return True  # a probe: keeps the rates and the verify time measured
+        td, tv = self._times.get((batch, False)), self._times.get((batch, True))
+        ratio = tv / td if td and tv else DEFAULT_VERIFY_RATIO
+        gain = sum(expected_accepted(self._state(r).alpha, n) for r, n in proposals.items())
+        return (batch + gain) / ratio > batch
+
+    def timed(self, batch: int, verifying: bool, seconds: float) -> None:
+        """A pure decode step's time (verifying or not)."""
+        key = (batch, verifying)
+        old = self._times.get(key)
+        self._times[key] = seconds if old is None else old + EMA * (seconds - old)
 
     def propose(self, items: list[tuple[str, list[int], object, int]]) -> list[list[int]]:
         """items: (req_id, tokens, runner state, max drafts) -> drafts per item (maybe empty)."""
@@ -100,7 +143,11 @@ class Speculator:
             self.proposer.accepted(rid, base_len, drafted, accepted)
         if drafted == 0:
             return
-        b = self._backoff.setdefault(rid, _Backoff())
+        b = self._state(rid)
+        b.since = 0
+        rate = accepted / drafted
+        b.alpha += EMA * (rate - b.alpha)
+        self.alpha += EMA / 4 * (rate - self.alpha)
         if accepted == 0:
             b.misses += 1
             b.skip = min(MAX_BACKOFF_STEPS, (1 << b.misses) - 1)
