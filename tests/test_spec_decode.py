@@ -250,7 +250,9 @@ def test_cluster_tiny_draft_and_ngram_equal_plain_decoding(batched):
         got, stats, text = _cluster_outputs(_tiny(), args, jobs, batched)
         assert got == ref, args
         m = stats["metrics"]
-        assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_num_accepted_tokens"] > 0, (args, m)
+        assert m["spec_decode_num_drafts"] > 0, (args, m)
+        if "draft" in args:  # the target as its own draft: every proposal holds
+            assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"], m
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             assert f'zeroserve:spec_decode_{name}_total{{model_name="' in text, name
         assert 'zeroserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
