@@ -199,12 +199,18 @@ class ModelRunner:
         sample_rows = np.nonzero(seq_lens == num_tokens)[0]
 
         dev = self.device
+        m_table, m_lens, m_qsl, m_qlen = table, seq_lens, qsl, int(counts.max())
+        if drafts and T == B + sum(len(d) for d in drafts.values()):
+            # a decode step with drafts: every token becomes a one-token query with its causal
+            # length (the layer writes all K/V before it attends), so the verify runs the decode
+            # path (on CPU the compiled step) at batch T instead of the prefill path
+            m_table, m_lens, m_qsl, m_qlen = table[row_of_tok], positions + 1, np.arange(T + 1), 1
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
-            max_query_len=int(counts.max()),
+            block_tables=torch.from_numpy(np.ascontiguousarray(m_table)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(m_lens.astype(np.int32)).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(m_qsl.astype(np.int32)).to(dev, non_blocking=True),
+            max_query_len=m_qlen,
             max_seq_len=int(seq_lens.max()),
         )
         hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),
