@@ -279,8 +279,9 @@ class ModelRunner:
             if not la or counts[i] != 1 or s.num_computed + 1 != len(s.token_ids) or s.params.logprobs is not None \
                     or rid in constrained:
                 continue
-            k = self.spec.budget(rid, la)
-            if k:
+            # never past the request's blocks, whatever the step claims
+            k = min(self.spec.budget(rid, la), len(s.block_ids) * self.block_size - len(s.token_ids))
+            if k > 0:
                 items.append((rid, s.token_ids, s, k))
                 rows.append(i)
         pure = bool((counts == 1).all())

@@ -26,7 +26,7 @@ decode step keeps its drafts only when the tokens it expects, B + sum over reque
 a + a^2 + ... + a^k, over the verify time beat B tokens over the decode time; a step that
 prefills anyway (not the compiled path) always keeps them. A request that proposed and had
 nothing accepted also pauses for 1, 3, 7, 15 steps. Requests that are not allowed to propose
-still probe every PROBE_EVERY steps, so a rate that fell can recover.
+still probe (one step in PROBE_EVERY at most, whatever the batch), so a rate that fell can recover.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Speculator:
         self._backoff: dict[str, _Backoff] = {}
         self.alpha = 0.6  # the runner's acceptance rate, the prior of a new request
         self._times: dict[tuple[int, bool], float] = {}  # (batch size, verifying) -> step seconds (EMA)
+        self._since_probe = 0  # pure decode steps since the last probe (one per PROBE_EVERY at most)
 
     def forget(self, live: set[str] | dict, new: list[str] = ()) -> None:
         """Drop the state of requests the runner no longer holds, and of those that came anew
@@ -119,9 +120,12 @@ class Speculator:
         """Whether a step of `batch` requests should verify these proposals (req_id -> drafts)."""
         if not proposals or not pure_decode:
             return bool(proposals)
-        if any(self._state(r).since >= PROBE_EVERY for r in proposals):
-            return True  # a probe: keeps the rates and the verify time measured
+        self._since_probe += 1
         td, tv = self._times.get((batch, False)), self._times.get((batch, True))
+        if self._since_probe >= PROBE_EVERY and (tv is None or any(self._state(r).since >= PROBE_EVERY
+                                                                   for r in proposals)):
+            self._since_probe = 0
+            return True  # a probe: keeps the rates and the verify time measured
         ratio = tv / td if td and tv else DEFAULT_VERIFY_RATIO
         gain = sum(expected_accepted(self._state(r).alpha, n) for r, n in proposals.items())
         return (batch + gain) / ratio > batch
