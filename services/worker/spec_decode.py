@@ -23,7 +23,7 @@ step and a verifying step the layer-by-layer path, 2-3x its time at batch 1 (mea
 speculator keeps each request's acceptance rate (an EMA; new requests start from the runner's
 overall rate) and the runner's step times, decode-only and verifying, per batch size. A pure
 decode step keeps its drafts only when the tokens it expects, B + sum over requests of
-a + a^2 + ... + a^k, over the verify time beat B tokens over the decode time; a step that
+a + a^2 + ... + a^k, over the verify time beat B tokens over the decode time by MIN_GAIN; a step that
 prefills anyway (not the compiled path) always keeps them. A request that proposed and had
 nothing accepted also pauses for 1, 3, 7, 15 steps. Requests that are not allowed to propose
 still probe (one step in PROBE_EVERY at most, whatever the batch), so a rate that fell can recover.
@@ -37,6 +37,9 @@ MAX_BACKOFF_STEPS = 15
 PROBE_EVERY = 16
 EMA = 0.2  # weight of the newest observation
 DEFAULT_VERIFY_RATIO = 2.5  # verify / decode step time until both are measured at a batch size
+# the expected speed-up a verify must promise: the model ignores the proposer's and the extra
+# sample rows' own time, and a no-repeat workload measured slower at a promised 1.07
+MIN_GAIN = 1.15
 
 
 class NgramProposer:
@@ -128,7 +131,7 @@ class Speculator:
             return True  # a probe: keeps the rates and the verify time measured
         ratio = tv / td if td and tv else DEFAULT_VERIFY_RATIO
         gain = sum(expected_accepted(self._state(r).alpha, n) for r, n in proposals.items())
-        return (batch + gain) / ratio > batch
+        return (batch + gain) / ratio > MIN_GAIN * batch
 
     def timed(self, batch: int, verifying: bool, seconds: float) -> None:
         """A pure decode step's time (verifying or not)."""
