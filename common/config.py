@@ -250,6 +250,24 @@ class ParallelArgs:
                                                "E/tp whole experts) instead of slicing every expert")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(kw_only=True)
+class SpeculativeArgs:
+    """speculative decoding (services/worker/spec_decode.py)"""
+
+    speculative_method: str = knob("none", "propose tokens the model verifies in one step: ngram = copy what followed "
+                                           "the latest earlier occurrence of the last tokens (prompt lookup); draft = "
+                                           "a smaller model with the same tokenizer (--speculative-model)",
+                                   choices=SPECULATIVE_METHODS)
+    speculative_model: str | None = knob(None, "the draft model (HF directory or .gguf) for --speculative-method draft",
+                                         metavar="PATH")
+    num_speculative_tokens: int = knob(4, "tokens proposed per request per step (1-16)", metavar="K")
+    prompt_lookup_min: int = knob(2, "ngram: the shortest suffix of the sequence looked up")
+    prompt_lookup_max: int = knob(4, "ngram: the longest suffix of the sequence looked up (tried first)")
+
+
 @dataclass(kw_only=True)
 class SchedulerArgs:
     """scheduling (the policy of each worker group)"""
@@ -438,7 +456,7 @@ class ClientArgs(CurveClientArgs):
 
 
 @dataclass(kw_only=True)
-class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs, SchedulerArgs):
+class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs, SpeculativeArgs, SchedulerArgs):
     """Engine arguments (vLLM's names), validated once at the boundary."""
 
     seed: int = 0
@@ -475,6 +493,26 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
             raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad(f"generation_config must be auto, none or a file path, got {self.generation_config!r}")
+        self._validate_speculative(bad)
+
+    def _validate_speculative(self, bad) -> None:
+        m = self.speculative_method
+        if m not in SPECULATIVE_METHODS:
+            raise bad(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {m!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise bad(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (lo, hi)) or lo > hi:
+            raise bad(f"prompt_lookup_min / prompt_lookup_max must be integers with 1 <= min <= max, got {lo!r} / {hi!r}")
+        if m == "draft" and not self.speculative_model:
+            raise bad("speculative_method draft needs speculative_model (a smaller model with the same tokenizer)")
+        if m != "draft" and self.speculative_model:
+            raise bad(f"speculative_model is only used with speculative_method draft (it is {m!r})")
+        if m != "none" and self.tp_size > 1:
+            # every shard would have to propose and accept alike; the draft model is not sharded
+            raise bad("speculative decoding is not supported with tensor parallelism (tp_size > 1): run the group "
+                      "with tp_size 1 or speculative_method none")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -489,7 +527,7 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
 
 
 # the engine knobs a worker takes: the policy's limits are the scheduler's, except the length cap
-WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs), "max_model_len")
+WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs, SpeculativeArgs), "max_model_len")
 
 
 @dataclass(kw_only=True)

@@ -239,6 +239,9 @@ class Hello(Message, kw_only=True):
     block_size: Count = 0
     max_model_len: Count = 0
     dist_init_addr: Text | None = None  # rank 0 of a TP group proposes the torch.distributed address
+    # speculative decoding: draft tokens this shard verifies per request per step (0 = off); the
+    # policy reserves KV slots for that many lookahead tokens of each decoding request
+    num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
 
     def check(self) -> str | None:
@@ -357,12 +360,28 @@ class Step(Message):
     # step (row i for bitmask_req_ids[i]; bit t of word t // 32 set = token t allowed)
     bitmask_req_ids: list[Name] = msgspec.field(default_factory=list)
     token_bitmask: I32_2D | None = None
+    # speculative decoding: per cached request (aligned with cached.req_ids), how many draft
+    # tokens past its scheduled ones have KV slots reserved (the most it may propose); None = 0
+    num_lookahead_tokens: I32 | None = None
 
     def check(self) -> str | None:
         rows = 0 if self.token_bitmask is None else self.token_bitmask.shape[0]
         if rows != len(self.bitmask_req_ids):
             return f"token_bitmask has {rows} rows for {len(self.bitmask_req_ids)} bitmask_req_ids"
+        la = self.num_lookahead_tokens
+        if la is not None:
+            if la.shape[0] != len(self.cached.req_ids):
+                return f"num_lookahead_tokens has {la.shape[0]} entries for {len(self.cached.req_ids)} cached requests"
+            if la.size and (int(la.min()) < 0 or int(la.max()) > 16):
+                return "num_lookahead_tokens must be in [0, 16]"
         return None
+
+    def lookahead(self) -> dict[str, int]:
+        """req_id -> reserved lookahead tokens (only the requests that have some)."""
+        la = self.num_lookahead_tokens
+        if la is None:
+            return {}
+        return {r: n for r, n in zip(self.cached.req_ids, la.tolist()) if n > 0}
 
     def req_ids(self) -> list[str]:
         """The order of requests in the flat batch (and in the StepResult): cached, then new."""
@@ -395,11 +414,30 @@ class StepResult(Message):
     ranks: I32 | None = None
     num_tokens: Count = 0  # tokens computed
     step_time_s: float = 0.0
+    # speculative decoding: request i's new tokens are sampled_token_ids[i] and then
+    # spec_token_ids[off_i : off_i + num_spec_tokens[i]] (its accepted drafts are all but the
+    # last of them, so their KV is computed); num_draft_tokens[i] = tokens it proposed
+    spec_token_ids: I32 | None = None
+    num_spec_tokens: I32 | None = None
+    num_draft_tokens: I32 | None = None
 
     def check(self) -> str | None:
         r = len(self.req_ids)
         if self.sampled_token_ids.shape[0] != r:
             return f"sampled_token_ids has {self.sampled_token_ids.shape[0]} entries for {r} req_ids"
+        spec = (self.spec_token_ids, self.num_spec_tokens, self.num_draft_tokens)
+        if any(x is not None for x in spec):
+            if any(x is None for x in spec):
+                return "spec_token_ids, num_spec_tokens and num_draft_tokens come together"
+            if self.num_spec_tokens.shape[0] != r or self.num_draft_tokens.shape[0] != r:
+                return f"num_spec_tokens / num_draft_tokens must have {r} entries"
+            if r and (int(self.num_spec_tokens.min()) < 0 or int(self.num_draft_tokens.min()) < 0):
+                return "num_spec_tokens / num_draft_tokens must be >= 0"
+            if (self.num_spec_tokens > self.num_draft_tokens).any():
+                return "a request accepted more draft tokens than it proposed"
+            if int(self.num_spec_tokens.sum()) != self.spec_token_ids.shape[0]:
+                return f"spec_token_ids has {self.spec_token_ids.shape[0]} entries; num_spec_tokens sums to " \
+                       f"{int(self.num_spec_tokens.sum())}"
         if (self.logprobs is None) != (self.logprob_token_ids is None):
             return "logprobs and logprob_token_ids come together"
         if self.logprobs is not None and (

@@ -24,6 +24,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.outbox import Outbox
 from services.scheduler.policy import Scheduler as Policy
 from services.scheduler.policy import TokenEvent
+from services.scheduler.speculative import check_spec_result
 from services.scheduler.request import Request
 
 if TYPE_CHECKING:
@@ -293,7 +294,7 @@ class Groups:
             max_len = min(max_len, self.cfg.max_model_len)
         g.policy = Policy(BlockManager(blocks, bs, self.cfg.enable_prefix_caching), self.cfg.max_num_seqs,
                           self.cfg.max_num_batched_tokens, max_len, mc.eos_token_ids, mc.vocab_size,
-                          mc.kv_window)
+                          mc.kv_window, min(s.hello.num_lookahead_tokens for s in g.shards.values()))
         g.state = GroupState.READY
         g.seq = 0
         log.info("group ready", group=g.name, model=g.model, tp=g.tp_size, kv_blocks=blocks)
@@ -349,7 +350,7 @@ class Groups:
             if d is not None and d != (t >= 0):
                 return (f"has {'no sample' if d else f'a sample ({t})'} for request {rid!r}, which "
                         f"{'was due one' if d else 'was not due one'}")
-        return grammar_violation(step, m)
+        return check_spec_result(step.lookahead(), m, vocab) or grammar_violation(step, m)
 
     def gone(self, g: Group, reason: str, ob: Outbox) -> list[Request]:
         """A group died or left; returns its unfinished requests, which keep their tokens."""

@@ -84,6 +84,8 @@ class _GroupSeen:
     preemptions: int = 0
     steps_t: float = 0.0
     steps: int = 0
+    spec: tuple = (0, 0, 0)  # drafts, draft tokens, accepted tokens
+    spec_pos: list = field(default_factory=list)
 
 
 class SchedulerMetrics:
@@ -125,6 +127,12 @@ class SchedulerMetrics:
         self.req_generation = histogram("request_generation_tokens", "Number of generation tokens processed.", tb)
         self.iteration = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                    ITERATION_BUCKETS)
+        # speculative decoding (the policies' SpecStats)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", [*MODEL, "position"])
         # cluster-only
         self.groups = Gauge(p + "worker_groups", "Worker groups by state.", [*MODEL, "state"], registry=r)
         self.requeued_total = counter("requests_requeued", "Requests routed again after their worker group ended "
@@ -138,7 +146,7 @@ class SchedulerMetrics:
             for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
                            self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                            self.e2e, self.queue_time, self.req_prompt, self.req_generation, self.iteration,
-                           self.requeued_total):
+                           self.requeued_total, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
                 metric.labels(m)
             for st in GROUP_STATES:
                 self.groups.labels(m, st)
@@ -151,7 +159,8 @@ class SchedulerMetrics:
         # plain totals for summary() (StatsReply, `zeroserve status`)
         self.totals = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
                        "requeued": 0, "preemptions": 0, "prefix_cache_hits": 0, "prefix_cache_queries": 0,
-                       "refused": 0}
+                       "refused": 0, "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                       "spec_decode_num_accepted_tokens": 0}
         self._sums = {"ttft": [0.0, 0], "itl": [0.0, 0], "e2e": [0.0, 0], "queue": [0.0, 0]}
 
     def _obs(self, name: str, hist: Histogram, model: str, v: float) -> None:
@@ -262,6 +271,7 @@ class SchedulerMetrics:
                     ctr.labels(g.model).inc(delta)
                     self.totals[tot] += delta
                 setattr(seen, attr, cur)
+            self._spec(g.model, pol.spec, seen)
             if now - seen.steps_t >= 1.0:
                 self.group_steps_rate.labels(g.model, g.name).set((g.steps - seen.steps) / (now - seen.steps_t))
                 seen.steps_t, seen.steps = now, g.steps
@@ -282,6 +292,22 @@ class SchedulerMetrics:
             self._seen.pop(name, None)
         self._group_labels = labels
 
+    def _spec(self, model: str, spec: Any, seen: _GroupSeen) -> None:
+        """The policy's speculative-decoding counters since the last refresh."""
+        cur = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        for ctr, tot, c, p in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted),
+                                  ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                   "spec_decode_num_accepted_tokens"), cur, seen.spec):
+            if c > p:
+                ctr.labels(model).inc(c - p)
+                self.totals[tot] += c - p
+        seen.spec = cur
+        for pos, c in enumerate(spec.accepted_per_pos):
+            p = seen.spec_pos[pos] if pos < len(seen.spec_pos) else 0
+            if c > p or pos >= len(seen.spec_pos):
+                self.spec_accepted_pos.labels(model, str(pos)).inc(max(0, c - p))
+        seen.spec_pos = list(spec.accepted_per_pos)
+
     # ================================================================ out
     def text(self) -> str:
         return generate_latest(self.registry).decode()
@@ -295,6 +321,8 @@ class SchedulerMetrics:
             out[f"{name}_sum_s"], out[f"{name}_count"] = round(s, 6), n
         q = self.totals["prefix_cache_queries"]
         out["prefix_cache_hit_rate"] = round(self.totals["prefix_cache_hits"] / q, 4) if q else None
+        d = self.totals["spec_decode_num_draft_tokens"]
+        out["spec_decode_acceptance_rate"] = round(self.totals["spec_decode_num_accepted_tokens"] / d, 4) if d else None
         return out
 
 

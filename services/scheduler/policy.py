@@ -23,6 +23,7 @@ import numpy as np
 from common.messages import CachedRequests, NewRequest, Step, StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, Status
+from services.scheduler.speculative import SpecStats, lookahead_for, result_tokens
 from services.scheduler.structured import new_bitmask
 
 
@@ -49,6 +50,7 @@ class _StepBuilder:
         self.finished = finished_req_ids
         self.vocab_size = vocab_size
         self.constrained: list[Request] = []  # sample in this step under a grammar
+        self.lookahead: dict[str, int] = {}  # speculative decoding: reserved draft slots per request
 
     def scheduled(self, req: Request) -> None:
         """After a request's tokens are committed: it samples in this step when it is now fully
@@ -61,12 +63,15 @@ class _StepBuilder:
         self.cached = [c for c in self.cached if c[0] != req_id]
         self.new = [n for n in self.new if n.req_id != req_id]
         self.constrained = [r for r in self.constrained if r.req_id != req_id]
+        self.lookahead.pop(req_id, None)
         self.finished.append(req_id)
 
     def build(self) -> Step:
         c = self.cached
         cached = CachedRequests.build([x[0] for x in c], [x[1] for x in c], [x[2] for x in c], [x[3] for x in c])
         step = Step(seq=0, new_reqs=self.new, cached=cached, finished_req_ids=self.finished)
+        if self.lookahead:
+            step.num_lookahead_tokens = np.fromiter((self.lookahead.get(x[0], 0) for x in c), np.int32, len(c))
         if self.constrained:
             mask = new_bitmask(len(self.constrained), self.vocab_size)
             for i, req in enumerate(self.constrained):
@@ -79,8 +84,12 @@ class _StepBuilder:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: list[int], vocab_size: int = 0,
-                 kv_window: int | None = None) -> None:
+                 kv_window: int | None = None, num_lookahead_tokens: int = 0) -> None:
         self.bm = block_manager
+        # speculative decoding: the group verifies up to this many draft tokens per request and
+        # step (its workers' HELLO says so); 0 = off
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec = SpecStats()
         # every layer attends to at most the last kv_window positions (None: some layer reads all)
         self.kv_window = kv_window
         self.vocab_size = vocab_size  # the width of constrained requests' bitmasks
@@ -147,11 +156,14 @@ class Scheduler:
                     break
             if req.status != Status.RUNNING:
                 break
-            new_blocks = self.bm.allocate(req, num_new)
+            la = self._lookahead(req, num_new, budget)
+            new_blocks = self.bm.allocate(req, num_new + la)
             out.cached.append((req.req_id, req.num_computed_tokens, num_new, new_blocks))
+            if la:
+                out.lookahead[req.req_id] = la
             self._commit(req, num_new)
             out.scheduled(req)
-            budget -= num_new
+            budget -= num_new + la
             i += 1
 
         # 2. waiting requests, in order, while budget, seats and blocks last
@@ -187,6 +199,14 @@ class Scheduler:
                 out.scheduled(req)
                 budget -= num_new
         return out.build()
+
+    def _lookahead(self, req: Request, num_new: int, budget: int) -> int:
+        """Draft slots for a request that decodes its last token in this step, when its blocks
+        can take them without preempting anyone (speculation never costs another request its seat)."""
+        if not self.num_lookahead_tokens or num_new != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return 0
+        la = lookahead_for(req, self.num_lookahead_tokens, budget)
+        return la if la and self.bm.can_allocate(req, num_new + la) else 0
 
     def _release_outside_window(self) -> None:
         """Blocks before every layer's window go back to the pool. The next query of a running
@@ -238,19 +258,24 @@ class Scheduler:
         if result.logprobs is not None:
             ranks = result.ranks if result.ranks is not None else np.zeros(len(result.req_ids), np.int32)
             logprobs = list(zip(result.logprob_token_ids, result.logprobs, ranks.tolist()))
-        for k, (rid, tok) in enumerate(zip(result.req_ids, result.sampled_token_ids.tolist())):
-            if tok < 0:
+        for k, (rid, (toks, drafted)) in enumerate(zip(result.req_ids, result_tokens(result))):
+            if toks[0] < 0:
                 continue
             req = self.requests.get(rid)
             if req is None or req.status != Status.RUNNING:
                 continue  # finished or preempted meanwhile: the token is discarded
-            if req.constraint is not None and not req.constraint.accept(tok):
-                raise GrammarViolation(f"token {tok} for request {rid!r} is outside its grammar's bitmask")
-            req.token_ids.append(tok)
-            finished = self._check_stop(req, tok)
-            events.append(TokenEvent(req, tok, logprobs[k] if logprobs is not None else None, finished))
-            if finished:
-                self._finish(req)
+            self.spec.add(drafted, len(toks) - 1)
+            for j, tok in enumerate(toks):
+                if j:  # an accepted draft before it: its KV was computed in this step
+                    self._commit(req, 1)
+                if req.constraint is not None and not req.constraint.accept(tok):
+                    raise GrammarViolation(f"token {tok} for request {rid!r} is outside its grammar's bitmask")
+                req.token_ids.append(tok)
+                finished = self._check_stop(req, tok)
+                events.append(TokenEvent(req, tok, logprobs[k] if logprobs is not None else None, finished))
+                if finished:
+                    self._finish(req)
+                    break
         return events
 
     def _check_stop(self, req: Request, tok: int) -> bool:
@@ -314,4 +339,7 @@ class Scheduler:
             "kv_blocks_free": self.bm.num_free_blocks,
             "prefix_cache_hit_tokens": self.bm.hits, "prefix_cache_query_tokens": self.bm.queries,
             "num_preemptions": self.num_preemptions, "computed_tokens": self.num_computed_tokens_total,
+            "spec_decode_num_drafts": self.spec.num_drafts,
+            "spec_decode_num_draft_tokens": self.spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec.num_accepted_tokens,
         }

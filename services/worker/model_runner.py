@@ -21,6 +21,7 @@ from services.worker import matmul_probe
 from services.worker.dtype import resolve_dtype, resolve_kv_dtype
 from services.worker.model import load_model
 from services.worker.sampler import SamplingTensors, sample
+from services.worker.spec_decode import accepted_length, make_speculator, sample_positions
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -67,6 +68,12 @@ class ModelRunner:
         self.eos_token_ids = list(model_cfg.eos_token_ids)
         self.vocab_size = model_cfg.vocab_size
         self.num_steps = 0
+        self.spec = make_speculator(args, self)  # None: no speculative decoding
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Draft tokens this runner verifies per request per step (HELLO tells the scheduler)."""
+        return self.spec.k if self.spec is not None else 0
 
     # ---- capacity ---------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -162,6 +169,10 @@ class ModelRunner:
         counts = np.concatenate([step.cached.num_scheduled_tokens.astype(np.int64),
                                  np.fromiter((n.num_scheduled_tokens for n in step.new_reqs), np.int64,
                                              len(step.new_reqs))])
+        # speculative decoding: drafts are appended to their requests' tokens for this forward
+        drafts = self._propose(step, req_ids, states, counts) if self.spec is not None else {}
+        for i, d in drafts.items():
+            counts[i] += len(d)
         starts = np.fromiter((s.num_computed for s in states), np.int64, B)
         seq_lens = starts + counts
         qsl = np.zeros(B + 1, np.int64)
@@ -191,12 +202,18 @@ class ModelRunner:
         sample_rows = np.nonzero(seq_lens == num_tokens)[0]
 
         dev = self.device
+        m_table, m_lens, m_qsl, m_qlen = table, seq_lens, qsl, int(counts.max())
+        if drafts and T == B + sum(len(d) for d in drafts.values()):
+            # a decode step with drafts: every token becomes a one-token query with its causal
+            # length (the layer writes all K/V before it attends), so the verify runs the decode
+            # path (on CPU the compiled step) at batch T instead of the prefill path
+            m_table, m_lens, m_qsl, m_qlen = table[row_of_tok], positions + 1, np.arange(T + 1), 1
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
-            max_query_len=int(counts.max()),
+            block_tables=torch.from_numpy(np.ascontiguousarray(m_table)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(m_lens.astype(np.int32)).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(m_qsl.astype(np.int32)).to(dev, non_blocking=True),
+            max_query_len=m_qlen,
             max_seq_len=int(seq_lens.max()),
         )
         hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),
@@ -205,35 +222,113 @@ class ModelRunner:
         sampled_all = np.full(B, -1, np.int32)
         out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=sampled_all, num_tokens=T)
         if len(sample_rows):
-            idx = torch.from_numpy(qsl[1:][sample_rows] - 1).to(dev)
+            flat, owner, offs = sample_positions(sample_rows, qsl, drafts)
+            idx = torch.from_numpy(flat).to(dev)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            ss = [states[i] for i in sample_rows.tolist()]
+            ss = [states[i] for i in owner.tolist()]
+            # a draft row j samples position base + j after the drafts before it (base: the
+            # length without drafts), with penalties over exactly those tokens
+            ends = [len(s.token_ids) - len(drafts.get(i, ())) + j for s, i, j in zip(ss, owner.tolist(), offs.tolist())]
             st = SamplingTensors.from_requests(
                 params=[s.params for s in ss],
                 seeds=[s.seed for s in ss],
-                positions=[len(s.token_ids) for s in ss],
+                positions=ends,
                 prompt_ids=[s.token_ids[:s.num_prompt_tokens] for s in ss],
-                output_ids=[s.token_ids[s.num_prompt_tokens:] for s in ss],
+                output_ids=[s.token_ids[s.num_prompt_tokens:e] for s, e in zip(ss, ends)],
                 eos_ids=self.eos_token_ids,
                 device=dev,
             )
             if step.token_bitmask is not None:
-                st.bitmask_rows, st.bitmask = self._grammar_rows(step, [req_ids[i] for i in sample_rows.tolist()])
+                st.bitmask_rows, st.bitmask = self._grammar_rows(step, [req_ids[i] for i in owner.tolist()])
             res = sample(logits, st)
             toks = res.sampled.to("cpu", torch.int32).numpy()
+            if drafts:
+                toks, sample_rows = self._verify(out, states, req_ids, drafts, owner, toks, counts)
+            else:
+                for s, t in zip(ss, toks.tolist()):
+                    s.token_ids.append(t)
             sampled_all[sample_rows] = toks
-            for s, t in zip(ss, toks.tolist()):
-                s.token_ids.append(t)
             if res.logprobs is not None:
                 k = res.logprobs.shape[1]
                 out.logprob_token_ids = np.zeros((B, k), np.int32)
                 out.logprobs = np.zeros((B, k), np.float32)
                 out.ranks = np.zeros(B, np.int32)
-                out.logprob_token_ids[sample_rows] = res.logprob_token_ids.to("cpu", torch.int32).numpy()
-                out.logprobs[sample_rows] = res.logprobs.float().cpu().numpy()
-                out.ranks[sample_rows] = res.ranks.to("cpu", torch.int32).numpy()
+                first = np.flatnonzero(offs == 0)  # a request's own row (one per request with logprobs)
+                out.logprob_token_ids[sample_rows] = res.logprob_token_ids[first].to("cpu", torch.int32).numpy()
+                out.logprobs[sample_rows] = res.logprobs[first].float().cpu().numpy()
+                out.ranks[sample_rows] = res.ranks[first].to("cpu", torch.int32).numpy()
         for s, n in zip(states, counts.tolist()):
             s.num_computed += n
         self.num_steps += 1
         out.step_time_s = time.perf_counter() - t0
+        if self.spec is not None and T == B + sum(len(d) for d in drafts.values()) and len(sample_rows) == B:
+            self.spec.timed(B, bool(drafts), out.step_time_s)  # a pure decode step
         return out
+
+    # ---- speculative decoding (services/worker/spec_decode.py) --------------------------------
+    def _propose(self, step: Step, req_ids: list[str], states: list[_ReqState], counts: np.ndarray) -> dict:
+        """Drafts per batch row for the decoding requests that have lookahead slots, appended to
+        their tokens (verification takes the rejected ones off again)."""
+        self.spec.forget(self.reqs, [n.req_id for n in step.new_reqs])
+        reserved = step.lookahead()
+        if not reserved:
+            return {}
+        constrained = set(step.bitmask_req_ids)
+        items, rows = [], []
+        for i, rid in enumerate(req_ids[:len(step.cached.req_ids)]):
+            la = reserved.get(rid, 0)
+            s = states[i]
+            # only a request that decodes its last token now, without logprobs or a grammar
+            if not la or counts[i] != 1 or s.num_computed + 1 != len(s.token_ids) or s.params.logprobs is not None \
+                    or rid in constrained:
+                continue
+            # never past the request's blocks, whatever the step claims
+            k = min(self.spec.budget(rid, la), len(s.block_ids) * self.block_size - len(s.token_ids))
+            if k > 0:
+                items.append((rid, s.token_ids, s, k))
+                rows.append(i)
+        pure = bool((counts == 1).all())
+        if self.spec.costly and not self.spec.worth_it(len(states), pure, {it[0]: it[3] for it in items}):
+            return {}  # a draft model's proposal costs forwards: decide before making it
+        proposed = {}
+        for i, (rid, _, s, k), d in zip(rows, items, self.spec.propose(items)):
+            d = [int(t) for t in d[:k] if 0 <= int(t) < self.vocab_size]
+            if d:
+                proposed[i] = d
+        if not self.spec.costly and not self.spec.worth_it(len(states), pure,
+                                                           {req_ids[i]: len(d) for i, d in proposed.items()}):
+            return {}
+        for i, d in proposed.items():
+            states[i].token_ids.extend(d)
+        return proposed
+
+    def _verify(self, out: StepResult, states, req_ids, drafts: dict, owner: np.ndarray, toks: np.ndarray,
+                counts: np.ndarray):
+        """Accept each request's drafts up to the first disagreement with its own samples; the
+        requests' tokens, computed counts and the result's speculative fields follow. Returns
+        the first new token per sampling request and those requests' rows."""
+        B = len(states)
+        per: dict[int, list[int]] = {}
+        for i, t in zip(owner.tolist(), toks.tolist()):
+            per.setdefault(i, []).append(t)
+        rows = np.fromiter(per, np.int64, len(per))
+        firsts = np.empty(len(rows), np.int32)
+        num_spec = np.zeros(B, np.int32)
+        num_draft = np.zeros(B, np.int32)
+        extra: list[int] = []
+        for r, (i, samples) in enumerate(per.items()):
+            s, d = states[i], drafts.get(i, [])
+            base = len(s.token_ids) - len(d)
+            a = accepted_length(samples, d)
+            new = samples[:a + 1]
+            del s.token_ids[base:]
+            s.token_ids.extend(new)
+            firsts[r] = new[0]
+            if d:
+                counts[i] -= len(d) - a  # only the accepted drafts' K/V count as computed
+                num_spec[i], num_draft[i] = a, len(d)
+                extra.extend(new[1:])
+                self.spec.verified(req_ids[i], base, len(d), a)
+        out.spec_token_ids = np.asarray(extra, np.int32)
+        out.num_spec_tokens, out.num_draft_tokens = num_spec, num_draft
+        return firsts, rows

@@ -138,7 +138,8 @@ class WorkerService:
         return P.Hello(role="worker", worker_id=self.worker_id, group=self.group, tp_rank=self.tp_rank,
                        tp_size=self.tp_size, model=self.model_cfg.name, device=self.device,
                        host=socket.gethostname(), pid=os.getpid(), num_kv_blocks=r.num_blocks,
-                       block_size=r.block_size, max_model_len=self.args.max_model_len or
+                       block_size=r.block_size, num_lookahead_tokens=r.num_lookahead_tokens,
+                       max_model_len=self.args.max_model_len or
                        self.model_cfg.max_position_embeddings, memory=mem,
                        dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None)
 
