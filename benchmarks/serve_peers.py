@@ -170,7 +170,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-len", type=int, default=1024, help="each server's context per sequence")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vllm-kv-gib", type=float, default=2.0)
+    ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB, an integer)")
     ap.add_argument("--zeroserve-args", default="", help="extra `zeroserve up` flags, e.g. '--max-num-prefill-tokens 512'")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--bench-timeout", type=float, default=1800.0)
