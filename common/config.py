@@ -250,9 +250,11 @@ class SchedulerArgs:
 
     max_num_seqs: int = knob(256, "sequences a worker group runs at once")
     max_num_batched_tokens: int = knob(2048, "tokens per step (chunked prefill splits longer prompts)")
-    max_num_prefill_tokens: int | None = knob(None, "prompt tokens per step, of max_num_batched_tokens (default: "
-                                                    "all of them); lower: arrivals prefilled a few per step "
-                                                    "alongside the decodes (TTFT under load)")
+    # 512: a 16-prompt burst of 256-token prompts gets its median first token 27% sooner (p90 16%)
+    # than with the whole step budget, at +6% tok/s and +4% TPOT (benchmarks/ttft_load.py --cpu-time)
+    max_num_prefill_tokens: int | None = knob(512, "prompt tokens per step, of max_num_batched_tokens: a burst "
+                                                   "of arrivals is prefilled a few per step alongside the decodes "
+                                                   "(TTFT under load)")
     max_model_len: int | None = knob(None, "longest prompt + output (default: the model's max_position_embeddings)")
     enable_prefix_caching: bool = knob(True, "turn the prefix cache off", flag="--no-prefix-caching")
     max_queue_len: int = knob(4096, "requests admitted and not finished before new ones get Overloaded")

@@ -74,8 +74,8 @@ def test_first_tokens_come_sooner_under_a_prefill_budget():
     assert min(chunked) < 0.3 * min(whole)
 
 
-def test_prefill_budget_knob_is_validated_and_defaults_to_the_step_budget():
-    assert SchedulerConfig().max_num_prefill_tokens is None and EngineArgs().max_num_prefill_tokens is None
+def test_prefill_budget_knob_is_validated_and_bounded_by_the_step_budget():
+    assert SchedulerConfig().max_num_prefill_tokens == 512 == EngineArgs().max_num_prefill_tokens
     s = Scheduler(BlockManager(64, BS, False), 8, 64, 1024, eos_token_ids=[2])
     assert s.max_num_prefill_tokens == 64
     s = Scheduler(BlockManager(64, BS, False), 8, 64, 1024, eos_token_ids=[2], max_num_prefill_tokens=4096)
