@@ -6,6 +6,10 @@ detokenizer -> client, all real processes and sockets), with the same torch thre
 the model. Prints both throughputs, their ratio, and the per-step time the scheduler and
 messaging add (cluster wall time not spent computing steps in the worker, per step).
 
+The cluster run starts cold: the workload goes out as soon as `up` reports ready, as a user's
+first requests do, so whatever the processes still do at start (loading tokenizers) counts.
+--warm-up first sends one text request and waits for it (the scheduler's tokenizer loaded).
+
     .venv/bin/python benchmarks/overhead.py            # defaults fit ~2-3 minutes on 2 cores
     .venv/bin/python benchmarks/overhead.py --json
 """
@@ -71,9 +75,9 @@ def run_cluster(model_dir: Path, wl, args, threads: int) -> dict:
         for c in children:
             c.start()
         wait_ready(address, 1, children, timeout_s=300)
-        with Client(address) as c:  # warm-up; a text prompt waits for the scheduler's tokenizer, which
-            # otherwise loads in the background during the timed run (seconds of CPU on a 2-core box)
-            c.generate("warm up", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        with Client(address) as c:
+            if args.warm_up:  # a text prompt waits for the scheduler's tokenizer
+                c.generate("warm up", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             steps0, busy0 = _worker_stats(c.stats())
         with Timer() as t:
             tokens = asyncio.run(_submit_all(address, wl))
@@ -95,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=0, help="torch threads for the model (0 = all cores)")
+    ap.add_argument("--warm-up", action="store_true", help="one text request through the cluster before the "
+                                                           "timed run (default: cold, right after ready)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -119,7 +125,8 @@ def main(argv=None) -> int:
         "cluster_ms_per_step": round(1000 * clu["wall"] / max(clu["steps"], 1), 2),
         "worker_compute_ms_per_step": round(1000 * clu["busy"] / max(clu["steps"], 1), 2),
         "scheduler_and_messaging_ms_per_step": round(overhead_ms, 2),
-        "identical_outputs": f"{same}/{len(wl)}", **environment(),
+        "identical_outputs": f"{same}/{len(wl)}", "cluster_start": "warm" if args.warm_up else "cold",
+        **environment(),
     }
     if args.json:
         json_line(rec)

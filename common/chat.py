@@ -10,8 +10,10 @@ one), as vLLM does.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,85 @@ def _tools_in_system_prompt(messages: list[dict[str, Any]], tools: list[dict[str
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}] + messages[1:]
     return [{"role": "system", "content": text}] + messages
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(template: str):
+    """A chat template compiled the way transformers' apply_chat_template compiles it (same
+    sandbox, trimming, extensions, filters and globals), so the same template renders the same
+    text here without importing transformers: a sandboxed, immutable environment (templates from
+    a model repository are untrusted code), `tojson` without HTML escaping and with json.dumps'
+    options, `raise_exception`, `strftime_now`, and the `{% generation %}` tag (rendered as its body)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        # HF templates mark assistant text with {% generation %}...{% endgeneration %} for
+        # training masks; serving only renders it
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        # no underscore names: a template must not reach Python internals through a namespace
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+    class Dict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=Dict(), namespace=Namespace)
+    return env.from_string(template)
+
+
+def render_chat(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True, **special_tokens: Any) -> str:
+    """The template rendered for a conversation, as `apply_chat_template(tokenize=False)`: keys
+    whose value is None dropped from each message, a message's reasoning visible under every
+    name templates read it by, the tokenizer's named special tokens (bos_token...) as variables."""
+    chat = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        chat.append(m)
+    return compile_template(template).render(messages=chat, tools=tools, documents=None,
+                                             add_generation_prompt=add_generation_prompt, **special_tokens)
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,

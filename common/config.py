@@ -274,6 +274,11 @@ class SchedulerArgs:
 
     max_num_seqs: int = knob(256, "sequences a worker group runs at once")
     max_num_batched_tokens: int = knob(2048, "tokens per step (chunked prefill splits longer prompts)")
+    # 512: a 16-prompt burst of 256-token prompts gets its median first token 27% sooner (p90 16%)
+    # than with the whole step budget, at +6% tok/s and +4% TPOT (benchmarks/ttft_load.py --cpu-time)
+    max_num_prefill_tokens: int | None = knob(512, "prompt tokens per step, of max_num_batched_tokens: a burst "
+                                                   "of arrivals is prefilled a few per step alongside the decodes "
+                                                   "(TTFT under load)")
     max_model_len: int | None = knob(None, "longest prompt + output (default: the model's max_position_embeddings)")
     enable_prefix_caching: bool = knob(True, "turn the prefix cache off", flag="--no-prefix-caching")
     max_queue_len: int = knob(4096, "requests admitted and not finished before new ones get Overloaded")
@@ -479,7 +484,7 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
             raise bad(f"block_size must be a multiple of 16 (16..256), got {self.block_size!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tp_size", "max_queue_len"):
             pos_int(name)
-        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "max_num_prefill_tokens"):
             pos_int(name, allow_none=True)
         if self.quantization not in QUANTIZATIONS:
             raise bad(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")

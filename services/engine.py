@@ -62,7 +62,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_len, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size,
-                                   self.model_cfg.kv_window, self.runner.num_lookahead_tokens)
+                                   self.model_cfg.kv_window, self.runner.num_lookahead_tokens,
+                                   max_num_prefill_tokens=args.max_num_prefill_tokens)
         self.rng = random.Random(args.seed)
         self.grammars = GrammarCompiler(lambda: self.tokenizer, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}

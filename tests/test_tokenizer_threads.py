@@ -1,8 +1,9 @@
-"""Tokenizers loaded from several threads at once in a fresh process (the scheduler's pool loads
-one per served model in parallel). transformers' lazy top-level module is not safe to import
-from two threads at the same time: without common/tokenizer.py's import lock all but one
-thread got `ImportError: cannot import name 'AutoTokenizer'`, and a scheduler serving two
-models answered every request for one of them with that error."""
+"""Tokenizers loaded, and their transformers views made (xgrammar takes one; the scheduler
+prepares one grammar compiler per served model in parallel), from several threads at once in a
+fresh process. transformers' lazy top-level module is not safe to import from two threads at the
+same time: without common/tokenizer.py's import lock all but one thread got `ImportError: cannot
+import name ...`, and a scheduler serving two models answered every request for one of them with
+that error."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ errors, barrier = [], threading.Barrier(4)
 def load():
     barrier.wait()
     try:
-        load_tokenizer(sys.argv[1])
+        load_tokenizer(sys.argv[1]).to_transformers()
     except Exception as e:
         errors.append(repr(e))
 threads = [threading.Thread(target=load) for _ in range(4)]

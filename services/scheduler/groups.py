@@ -294,7 +294,8 @@ class Groups:
             max_len = min(max_len, self.cfg.max_model_len)
         g.policy = Policy(BlockManager(blocks, bs, self.cfg.enable_prefix_caching), self.cfg.max_num_seqs,
                           self.cfg.max_num_batched_tokens, max_len, mc.eos_token_ids, mc.vocab_size,
-                          mc.kv_window, min(s.hello.num_lookahead_tokens for s in g.shards.values()))
+                          mc.kv_window, min(s.hello.num_lookahead_tokens for s in g.shards.values()),
+                          max_num_prefill_tokens=self.cfg.max_num_prefill_tokens)
         g.state = GroupState.READY
         g.seq = 0
         log.info("group ready", group=g.name, model=g.model, tp=g.tp_size, kv_blocks=blocks)

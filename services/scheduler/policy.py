@@ -1,7 +1,11 @@
 """Continuous batching for one worker group, free of any transport.
 
 Each step spends a token budget: running requests first (decodes, then the next chunk of a
-long prefill), then waiting requests in priority/FCFS order. When blocks run out, the most
+long prefill), then waiting requests in priority/FCFS order. Prompt tokens (prefills, new or
+continuing) also share a smaller per-step budget, `max_num_prefill_tokens`: under load a step
+that prefills every arrival at once holds back every running decode and every arrival's first
+token for its whole length, while a few prompts per step, finished in order, give the first ones
+their first token after a short step and keep decodes flowing (TTFT under load). When blocks run out, the most
 recently admitted running request is preempted and later recomputed from its tokens (its
 full blocks usually come back from the prefix cache). The same class runs inside the
 in-process engine and inside the cluster scheduler.
@@ -84,7 +88,8 @@ class _StepBuilder:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: list[int], vocab_size: int = 0,
-                 kv_window: int | None = None, num_lookahead_tokens: int = 0) -> None:
+                 kv_window: int | None = None, num_lookahead_tokens: int = 0,
+                 max_num_prefill_tokens: int | None = None) -> None:
         self.bm = block_manager
         # speculative decoding: the group verifies up to this many draft tokens per request and
         # step (its workers' HELLO says so); 0 = off
@@ -95,6 +100,7 @@ class Scheduler:
         self.vocab_size = vocab_size  # the width of constrained requests' bitmasks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_prefill_tokens = min(max_num_prefill_tokens or max_num_batched_tokens, max_num_batched_tokens)
         # a sequence may never need more blocks than the whole cache holds
         self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.eos_token_ids = set(eos_token_ids)
@@ -135,6 +141,7 @@ class Scheduler:
         out = _StepBuilder(self._dropped, self.vocab_size)
         self._dropped = []
         budget = self.max_num_batched_tokens
+        prefill = self.max_num_prefill_tokens  # of which prompt tokens (more than one a request)
         preempted = False
 
         if self.kv_window is not None:
@@ -145,7 +152,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # waiting on a token the worker has not returned yet
+            if num_new > 1:  # a continuing prefill (a decode is one token)
+                num_new = min(num_new, prefill)
+            if num_new <= 0:  # waiting on a token the worker has not returned yet (or no prefill budget left)
                 i += 1
                 continue
             while not self.bm.can_allocate(req, num_new):
@@ -164,12 +173,14 @@ class Scheduler:
             self._commit(req, num_new)
             out.scheduled(req)
             budget -= num_new + la
+            if num_new > 1:
+                prefill -= num_new
             i += 1
 
         # 2. waiting requests, in order, while budget, seats and blocks last
         if not preempted:
             j = 0
-            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            while j < len(self.waiting) and min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[j]
                 if req.num_computed_tokens == 0 and not req.block_ids:
                     wait_for_sibling = self._share_from_sibling(req)
@@ -180,7 +191,7 @@ class Scheduler:
                         cached = self.bm.lookup(req.token_ids)
                         if cached:
                             self.bm.take_cached(req, cached)
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
                 if not self.bm.can_allocate(req, num_new):
                     self.bm.release(req)  # give back cache hits; retried next step
                     req.num_computed_tokens = 0
@@ -198,6 +209,7 @@ class Scheduler:
                 self._commit(req, num_new)
                 out.scheduled(req)
                 budget -= num_new
+                prefill -= num_new
         return out.build()
 
     def _lookahead(self, req: Request, num_new: int, budget: int) -> int:

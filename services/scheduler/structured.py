@@ -63,7 +63,9 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer(), vocab_size=self.vocab_size,
+                tok = self.tokenizer()  # xgrammar reads a transformers tokenizer (it imports transformers itself)
+                tok = tok.to_transformers() if hasattr(tok, "to_transformers") else tok
+                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                                      cache_limit_bytes=CACHE_LIMIT_BYTES)
