@@ -125,6 +125,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--matmul-dtype", default="float32",
+                    help="every engine's --matmul-dtype (default float32: speculation keeps auto in fp32, "
+                         "so the engine without it must compute in fp32 too for the outputs to compare)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     set_threads(a.threads)
@@ -138,7 +141,7 @@ def main() -> None:
     if a.draft_model:
         methods["draft"] = dict(speculative_method="draft", speculative_model=a.draft_model,
                                 num_speculative_tokens=a.k)
-    llms = {m: LLM(str(model), **kw) for m, kw in methods.items()}
+    llms = {m: LLM(str(model), matmul_dtype=a.matmul_dtype, **kw) for m, kw in methods.items()}
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     for llm in llms.values():  # warm-up: the compiled kernels and the first-call paths
         run(llm, messages(COPY[:1] + OPEN[:1]), SamplingParams(temperature=0.0, max_tokens=16), 2)

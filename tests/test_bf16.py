@@ -138,6 +138,21 @@ def test_auto_stays_fp32_when_switched_off_or_no_native_bf16(monkeypatch):
     assert matmul_probe.configure(r) == "float32" and bf16.min_rows(r.model) is None
 
 
+def test_auto_stays_fp32_with_speculative_decoding(monkeypatch):
+    """A verify step has more rows than the decode it stands for: with bf16 from a row count the
+    same token would be computed in bf16 with speculation and in fp32 without, and greedy output
+    would differ (benchmarks/spec_decode.py saw it on SmolLM2). So auto keeps fp32 there."""
+    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "1")
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(matmul_probe, "measure", lambda runner: ({1: (1.0, 2.0), 8: (1.0, 0.5), 256: (9.0, 3.0)},
+                                                                 {"x_ms": 1.0}))
+    _, r = _runner("float32")
+    r.args.matmul_dtype, r.args.speculative_method = "auto", "ngram"
+    assert matmul_probe.configure(r) == "float32" and bf16.min_rows(r.model) is None
+    r.args.speculative_method = "none"  # the same runner without speculation takes the measured bf16
+    assert matmul_probe.configure(r) == "bfloat16 from 8 rows"
+
+
 @pytest.mark.parametrize("timings,want", [({1: (1.0, 2.0), 8: (1.0, 0.5), 256: (9.0, 3.0)}, 8),
                                           ({1: (1.0, 2.0), 256: (9.0, 9.5)}, None)])
 def test_auto_applies_the_measured_decision(monkeypatch, timings, want):

@@ -87,6 +87,10 @@ def configure(runner) -> str:
                         device=str(runner.device), dtype=str(runner.dtype))
         return "float32"
     if name == "bfloat16":
+        if _speculating(runner):
+            log.warning("matmul_dtype bfloat16 with speculative decoding: a step's rows decide whether it runs "
+                        "in bf16, and verifying drafts changes the rows, so greedy output can differ from "
+                        "decoding without speculation (--matmul-dtype float32 keeps them equal)")
         nbytes = bf16.attach(model, bf16.DEFAULT_MIN_ROWS)
         log.info("matmul dtype bfloat16 (as asked)", min_rows=bf16.DEFAULT_MIN_ROWS, panel_mib=round(nbytes / 2**20, 1),
                  native_bf16=cpu_native.native_bf16())
@@ -114,6 +118,11 @@ def _auto_ineligible(runner) -> str | None:
         return "ZEROSERVE_CPU_BF16=0"
     if not cpu_native.native_bf16():
         return "no native bf16 on this CPU (torch would emulate it: slower)"
+    if _speculating(runner):
+        # bf16 panels run from a row count; a verify step has more rows than the decode it stands
+        # for, so the same token would be computed in bf16 with speculation and in fp32 without,
+        # and greedy output would no longer equal non-speculative decoding's
+        return "speculative decoding (its verify steps would switch rows between fp32 and bf16)"
     if getattr(runner, "tp_size", 1) != 1:
         return "tensor-parallel shard (its peers could decide otherwise)"
     if not probe_shapes(runner.block_size, runner.num_blocks):
@@ -179,3 +188,7 @@ def _step_inputs(s: StepShape, bs: int, vocab: int):
 def _run_step(model, kv_caches, ids, pos, meta, last) -> None:
     hidden = model(ids, pos, kv_caches, meta)
     model.compute_logits(hidden.index_select(0, last))
+
+
+def _speculating(runner) -> bool:
+    return str(getattr(runner.args, "speculative_method", "none") or "none") != "none"
