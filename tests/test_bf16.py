@@ -166,6 +166,20 @@ def test_auto_applies_the_measured_decision(monkeypatch, timings, want):
     assert got == ("float32" if want is None else f"bfloat16 from {want} rows")
 
 
+def test_auto_never_takes_one_row_for_packed_weights(monkeypatch):
+    """A probe slowed by contention once chose bf16 from 1 row on SmolLM2 Q4_1 (batch-1 decode
+    then ran 5x slower): for packed weights one row is not a candidate."""
+    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "1")
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(matmul_probe, "measure", lambda runner: ({1: (1.0, 0.5), 8: (1.0, 0.5), 256: (9.0, 3.0)},
+                                                                 {"x_ms": 1.0}))
+    _, r = _runner("float32")
+    r.args.matmul_dtype = "auto"
+    assert matmul_probe.configure(r) == "bfloat16 from 1 rows"  # fp32 weights: one row may win
+    monkeypatch.setattr(matmul_probe, "_packed", lambda model: True)
+    assert matmul_probe.configure(r) == "bfloat16 from 8 rows"
+
+
 def test_measure_times_every_shape_and_leaves_the_cache_clean():
     _, r = _runner("bfloat16", num_kv_blocks=160)
     timings, table = matmul_probe.measure(r, budget_s=0.0, min_reps=1)
