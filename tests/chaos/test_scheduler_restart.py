@@ -85,7 +85,9 @@ def test_scheduler_sigkill_under_up_fails_streams_fast_and_serves_after(tmp_path
 
         async def streams():
             async with AsyncClient(address, timeout_s=CLIENT_TIMEOUT_S) as c:
-                got = asyncio.Event()
+                # kill once every stream has tokens: the first step may hold only the request that
+                # reached the scheduler first (continuous batching starts it at once)
+                got = [asyncio.Event() for _ in range(4)]
 
                 async def one(i):
                     n = 0
@@ -93,13 +95,13 @@ def test_scheduler_sigkill_under_up_fails_streams_fast_and_serves_after(tmp_path
                         async for d in c.stream([3 + i, 5, 7], {"max_tokens": 1500, "ignore_eos": True,
                                                                 "temperature": 0.0}):
                             n += len(d.token_ids)
-                            got.set()
+                            got[i].set()
                         return ("finished", n, time.monotonic())
                     except ClusterUnavailable as e:
                         return (str(e), n, time.monotonic())
 
                 tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
-                await asyncio.wait_for(got.wait(), 60)
+                await asyncio.wait_for(asyncio.gather(*(g.wait() for g in got)), 60)
                 result["kill_at"] = time.monotonic()
                 old.send_signal(signal.SIGKILL)
                 result["outs"] = await asyncio.wait_for(asyncio.gather(*tasks), 60)
