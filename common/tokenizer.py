@@ -249,11 +249,3 @@ class FastTokenizer:
         PreTrainedTokenizerFast = _transformers_fast_class()  # noqa: N806 (transformers' name)
 
         return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self._tok.to_str()), **self.special_tokens_map)
-
-
-Decoder = FastTokenizer  # the detokenizer's former decode-only class: this one decodes the same
-
-
-def load_decoder(model_dir: str | os.PathLike) -> FastTokenizer:
-    """What the detokenizer decodes with (the same tokenizer everyone loads)."""
-    return load_tokenizer(model_dir)

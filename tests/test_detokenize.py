@@ -314,15 +314,15 @@ def test_fuzz_sentencepiece_style(sp_tok):
             assert (d.text, d.stop_str) == _ref_stop(full, stops, params.include_stop_str_in_output), (trial, ids)
 
 
-# --------------------------------------------------------------------------- the detokenizer's Decoder
+# --------------------------------------------------------------------------- the detokenizer's tokenizer
 @pytest.fixture(scope="module")
 def decoder(tok, tmp_path_factory):
     """The same tokenizer saved as a model directory, loaded the way the detokenizer loads it."""
-    from common.tokenizer import Decoder
+    from common.tokenizer import FastTokenizer
 
     d = tmp_path_factory.mktemp("tok")
     tok.save_pretrained(str(d))
-    return Decoder(d)
+    return FastTokenizer(d)
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))
@@ -344,8 +344,8 @@ def test_detokenizer_loads_no_transformers_nor_torch(tmp_path):
 
     from helpers import cached_model_dir
 
-    code = ("import sys; import services.detokenizer.service as s; from common.tokenizer import load_decoder; "
-            f"load_decoder({str(cached_model_dir('llama'))!r}); "
+    code = ("import sys; import services.detokenizer.service as s; from common.tokenizer import load_tokenizer; "
+            f"load_tokenizer({str(cached_model_dir('llama'))!r}); "
             "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)

@@ -153,10 +153,10 @@ def test_loading_imports_neither_transformers_nor_torch(tmp_path):
     paths = [str(p) for p in _models(tmp_path).values()]
     code = ("import sys, json\n"
             "import services.scheduler.service, services.gateway.app, services.detokenizer.service\n"
-            "from common.tokenizer import load_tokenizer, load_decoder\n"
+            "from common.tokenizer import load_tokenizer\n"
             "from common.chat import chat_prompt\n"
             f"for p in {paths!r}:\n"
-            "    t = load_tokenizer(p); load_decoder(p).decode(t.encode('hi there'))\n"
+            "    t = load_tokenizer(p); load_tokenizer(p).decode(t.encode('hi there'))\n"
             "    t.chat_template and chat_prompt(t, [{'role': 'user', 'content': 'hi'}])\n"
             "print(json.dumps(sorted(m for m in ('transformers', 'torch', 'xgrammar') if m in sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=240)

@@ -27,7 +27,7 @@ from common.log import get_logger, setup_logging
 from common.memory import freeze_startup_heap
 from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
-from common.tokenizer import load_decoder
+from common.tokenizer import load_tokenizer
 from services.backend_peer import BackendPeer, Refused
 from services.tiny_model import default_model_dir
 
@@ -43,7 +43,7 @@ class DetokenizerService:
         self.worker_id = worker_id or f"detok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.tokenizers = {}
         for d in model_dirs:
-            self.tokenizers[ModelConfig.from_dir(d).name] = load_decoder(d)  # no transformers import
+            self.tokenizers[ModelConfig.from_dir(d).name] = load_tokenizer(d)  # no transformers import
         self.default = next(iter(self.tokenizers), None)
         self.hb_interval = heartbeat_interval_s
         self.states: dict[str, IncrementalDetokenizer] = {}

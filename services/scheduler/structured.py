@@ -63,8 +63,8 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                tok = self.tokenizer()  # xgrammar reads a transformers tokenizer (it imports transformers itself)
-                tok = tok.to_transformers() if hasattr(tok, "to_transformers") else tok
+                # xgrammar reads a transformers tokenizer (it imports transformers itself)
+                tok = self.tokenizer().to_transformers()
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
