@@ -178,6 +178,8 @@ class ModelRunner:
         qsl = np.zeros(B + 1, np.int64)
         np.cumsum(counts, out=qsl[1:])
         T = int(qsl[-1])
+        # every row one decode token plus its drafts (no prefill in the step)
+        pure_decode = T == B + sum(len(d) for d in drafts.values())
         # flat positions and token ids
         row_of_tok = np.repeat(np.arange(B), counts)
         positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
@@ -203,7 +205,7 @@ class ModelRunner:
 
         dev = self.device
         m_table, m_lens, m_qsl, m_qlen = table, seq_lens, qsl, int(counts.max())
-        if drafts and T == B + sum(len(d) for d in drafts.values()):
+        if drafts and pure_decode:
             # a decode step with drafts: every token becomes a one-token query with its causal
             # length (the layer writes all K/V before it attends), so the verify runs the decode
             # path (on CPU the compiled step) at batch T instead of the prefill path
@@ -261,7 +263,7 @@ class ModelRunner:
             s.num_computed += n
         self.num_steps += 1
         out.step_time_s = time.perf_counter() - t0
-        if self.spec is not None and T == B + sum(len(d) for d in drafts.values()) and len(sample_rows) == B:
+        if self.spec is not None and pure_decode and len(sample_rows) == B:
             self.spec.timed(B, bool(drafts), out.step_time_s)  # a pure decode step
         return out
 
