@@ -6,7 +6,9 @@ or packed GGUF/int blocks) and gains a bf16 copy made once at start-up, dequanti
 exact values; steps with at least `min_rows` rows multiply on the copy (oneDNN's bf16 GEMM,
 products accumulated in fp32, the output rounded to bf16 by the GEMM and widened back to fp32);
 steps with fewer rows (decode at batch 1, where the packed 4-bit kernel reads ~3x fewer bytes
-than bf16) keep the exact path. Activations stay fp32 outside the matmuls: x is rounded to bf16
+than bf16) keep the exact path. A packed weight's bf16 steps below PANEL_MIN_ROWS rows (batched
+decode) do not read the panel: they run in the same bf16 regime on the packed bytes
+(`QuantizedWeight.linear_bf16`). Activations stay fp32 outside the matmuls: x is rounded to bf16
 at the matmul.
 
 Memory: 2 bytes per weight on top of the exact copy (SmolLM2-135M: +257 MiB next to 84 MiB of
@@ -27,6 +29,13 @@ import os
 import torch
 import torch.nn.functional as F
 
+# rows from which a packed weight's bf16 steps read the panel: below, they multiply on the packed
+# bytes in the bf16 regime (csrc/qmatmul_bf16.c: decoded to bf16 in cache, VDPBF16PS), which
+# reads ~3x fewer bytes than the panel's 2 a weight; decode steps are that small, and the
+# compiled decode step (services/worker/model/cpu_step.py) runs them so up to here. Prefill-sized
+# steps go to oneDNN on the panels: 1.5x the packed bf16 kernel at 256 rows (SmolLM2's gate/up,
+# one EPYC core, cache-hot: 5.3 vs 7.8 ms)
+PANEL_MIN_ROWS = 64
 # rows from which the panels are used when nothing was measured: on the AVX-512 BF16 dev box
 # (2 EPYC cores, SmolLM2's 1536x576 gate/up, best of 40) bf16 took 0.09 ms at 8 rows against
 # fp32's 0.17 and the packed Q4 kernel's 0.20; at 1 row the packed kernel won (0.047 vs 0.074)

@@ -190,14 +190,17 @@ def _bind_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def bind_quant(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare qmatmul.c's entry points on a loaded library (tests load other builds too)."""
-    f = lib.zs_qmatmul_f32
-    f.restype = I
-    f.argtypes = [I, P, I64, P, P, I64, I, P, I64, P, I64, I, I, I, I]
+    for name in ("zs_qmatmul_f32", "zs_qmatmul_bf16"):  # the bf16 regime: csrc/qmatmul_bf16.c
+        f = getattr(lib, name)
+        f.restype = I
+        f.argtypes = [I, P, I64, P, P, I64, I, P, I64, P, I64, I, I, I, I]
     g = lib.zs_dequantize_f32
     g.restype = I
     g.argtypes = [I, P, I64, P, P, I64, I, P, I64, I, I, I]
     lib.zs_qm_isa.restype = I
     lib.isa = {2: "avx512", 1: "avx2"}.get(lib.zs_qm_isa(), "portable")
+    lib.zs_qm_bf16_native.restype = I
+    lib.bf16_native = bool(lib.zs_qm_bf16_native())  # VDPBF16PS, else rounded values through the fp32 GEMM
     lib.zs_qm_gemm_rows.restype = I
     lib.gemm_rows = lib.zs_qm_gemm_rows()  # from this many rows of x: dequantized panels + float GEMM
     return lib

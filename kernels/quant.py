@@ -263,13 +263,36 @@ class QuantizedWeight:
             y += bias.float()
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
+    def linear_bf16(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias) in the bf16 regime: x and the dequantized W rounded to bf16, the
+        products summed in fp32, the result fp32 (x's dtype back); the compiled kernel
+        (csrc/qmatmul_bf16.c) on CPU, else `linear_bf16_twin`. The bias is added in fp32."""
+        lib = cpu_native.quant_lib() if x.is_cpu else None
+        if lib is None:
+            return self.linear_bf16_twin(x, bias)
+        y = kernel_linear(lib, self, x if x.dtype == torch.float32 else x.float(), bf16=True)
+        if bias is not None:
+            y += bias.float()
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def linear_bf16_twin(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """What `linear_bf16` computes, in torch: both operands rounded to bf16, an fp32 matmul
+        (the products are exact in fp32; only the summation order differs)."""
+        w = self.dequantize(torch.float32).to(x.device).to(torch.bfloat16).float()
+        y = F.linear(x.to(torch.bfloat16).float(), w)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
     def __repr__(self) -> str:
         g = f", group {self.group_size}" if self.format in ("int8", "int4") else ""
         return f"QuantizedWeight({self.format}, {list(self.shape)}{g}, {self.nbytes / 2**20:.2f} MiB)"
 
 
-def kernel_linear(lib: ctypes.CDLL, w: QuantizedWeight, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """y = x @ W.T through a loaded qmatmul library (``cpu_native.quant_lib()``); x fp32 on CPU."""
+def kernel_linear(lib: ctypes.CDLL, w: QuantizedWeight, x: torch.Tensor, threads: int | None = None,
+                  bf16: bool = False) -> torch.Tensor:
+    """y = x @ W.T through a loaded qmatmul library (``cpu_native.quant_lib()``); x fp32 on CPU.
+    `bf16`: in the bf16 regime (x and W rounded to bf16, fp32 sums: csrc/qmatmul_bf16.c)."""
     n, k = w.shape
     if x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(f"the kernel takes fp32 CPU inputs, got {x.dtype} on {x.device}")
@@ -281,8 +304,8 @@ def kernel_linear(lib: ctypes.CDLL, w: QuantizedWeight, x: torch.Tensor, threads
     if x2.stride(1) != 1 or ldx < k:
         x2, ldx = x2.contiguous(), k
     y = torch.empty((t, n), dtype=torch.float32)
-    rc = lib.zs_qmatmul_f32(*w._kargs, x2.data_ptr(), ldx, y.data_ptr(), n, t, n, k,
-                            threads or torch.get_num_threads())
+    fn = lib.zs_qmatmul_bf16 if bf16 else lib.zs_qmatmul_f32
+    rc = fn(*w._kargs, x2.data_ptr(), ldx, y.data_ptr(), n, t, n, k, threads or torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"qmatmul rejected {w!r} (rc {rc})")
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -61,8 +61,10 @@ def test_layer_uses_panel_from_min_rows_and_exact_path_below():
     model = torch.nn.Sequential(lin)
     assert bf16.attach(model, 8) == 128 * 256 * 2
     assert torch.equal(bf16.dense(lin.bf16_weight), qw.dequantize().to(torch.bfloat16))  # the exact values, rounded
-    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(bf16.PANEL_MIN_ROWS, 256, generator=torch.Generator().manual_seed(2))
     assert torch.equal(lin(x[:7]), qw.linear(x[:7]))  # below min_rows: the packed path untouched
+    # decode-sized steps: the bf16 regime on the packed bytes; from PANEL_MIN_ROWS: the panel
+    assert torch.equal(lin(x[:16]), qw.linear_bf16(x[:16]))
     assert torch.equal(lin(x), bf16.linear(x, lin.bf16_weight))
     assert bf16.min_rows(model) == 8
     bf16.detach(model)
@@ -233,8 +235,9 @@ def test_smollm2_bf16_greedy_agreement_reported():
     assert sum(prefix) >= len(PROMPTS) * N_TOKENS // 4
 
 
-def test_compiled_decode_step_leaves_panel_sized_batches_to_the_layers():
-    """The compiled fp32 decode step (cpu_step.py) must not take a batch the panels cover."""
+def test_compiled_decode_step_takes_bf16_batches_below_the_panels():
+    """The compiled decode step (cpu_step.py) runs decode batches in the bf16 regime itself (on
+    the packed bytes) up to the rows from which the layers' float GEMMs / panels take over."""
     llm = LLM(str(model_dir("llama")), quantization="int4", matmul_dtype="float32", num_kv_blocks=160)
     r = llm.engine.runner
     step = r.model._cpu_step()
@@ -248,6 +251,7 @@ def test_compiled_decode_step_leaves_panel_sized_batches_to_the_layers():
 
     assert applies(4) and applies(8)
     bf16.attach(r.model, 8)
-    assert applies(4) and not applies(8)
+    assert applies(4) and applies(8) and applies(bf16.PANEL_MIN_ROWS - 1)
+    assert not applies(bf16.PANEL_MIN_ROWS)
     bf16.detach(r.model)
     assert applies(8)

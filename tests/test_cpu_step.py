@@ -2,8 +2,8 @@
 
 It must be the Python forward bit for bit: the same hidden states and the same KV cache
 contents after every decode step, for each family switch (Qwen2's q/k/v bias, Qwen3's q/k norm,
-Llama's tied embeddings) and packed format, with ragged batches over non-contiguous block
-tables; and it must stand aside wherever it does not apply.
+Llama's tied embeddings) and packed format, in fp32 and in the bf16 regime, with ragged batches
+over non-contiguous block tables; and it must stand aside wherever it does not apply.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.model_config import ModelConfig
-from kernels import cpu_native, get_ops
+from kernels import bf16, cpu_native, get_ops
 from services.worker.model import load_model
 from services.worker.model.cpu_step import CpuDecodeStep
 from tests.helpers import PagedKV, cached_model_dir, random_prompt
@@ -40,10 +40,15 @@ def _python_forward(model, *args):
         model._step = step
 
 
-@pytest.mark.parametrize("arch,quantization", [("llama", "int4"), ("qwen2", "int8"), ("qwen3", "int4"),
-                                               ("mistral", "int8")])
-def test_decode_steps_equal_the_python_forward(arch, quantization):
+@pytest.mark.parametrize("arch,quantization,bf16_rows", [("llama", "int4", None), ("qwen2", "int8", None),
+                                                         ("qwen3", "int4", None), ("mistral", "int8", None),
+                                                         ("llama", "int4", 3), ("qwen2", "int8", 1)])
+def test_decode_steps_equal_the_python_forward(arch, quantization, bf16_rows):
+    """bf16_rows: bf16 panels attached, so batches of that many rows or more run the linears in
+    the bf16 regime, here on the packed bytes as in the Python path's QuantizableWeight.matmul."""
     cfg, model = _model(arch, quantization)
+    if bf16_rows is not None:
+        bf16.attach(model, bf16_rows)
     assert isinstance(model._cpu_step(), CpuDecodeStep)
     kv = PagedKV(model, num_blocks=48, block_size=4, order="random", seed=1)
     lens = [1, 3, 4, 9, 17]  # ragged, at and across the 4-token block edges

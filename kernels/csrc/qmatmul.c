@@ -34,6 +34,7 @@
  * Built on first use by kernels/cpu_native.py (-O3 -march=native -fopenmp -ffp-contract=off:
  * the compiler may not fuse or reorder what is written here).
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -326,6 +327,7 @@ typedef struct {
     int64_t w_stride, s_stride, ldx, ldy, sxs;
     const float *scales, *mins, *x, *sx;
     float *y;
+    int round_bf16;  /* the GEMM path rounds each dequantized panel to bf16 (qmatmul_bf16.c, emulated) */
 } job_t;
 
 /* Row n of the job's weight. */
@@ -412,6 +414,8 @@ static void gemm_tile3(GEMM_ARGS) { gemm_tile(3, x, ldx, w, kc, acc); }
 static void gemm_tile4(GEMM_ARGS) { gemm_tile(4, x, ldx, w, kc, acc); }
 static void (*const GEMM_TILES[MR + 1])(GEMM_ARGS) = {NULL, gemm_tile1, gemm_tile2, gemm_tile3, gemm_tile4};
 
+static void round_bf16(float *v, int64_t n);  /* qmatmul_bf16.c */
+
 /* Rows of x from which the GEMM path runs (tests check each regime's invariance). */
 int zs_qm_gemm_rows(void) { return GEMM_MIN_ROWS; }
 
@@ -432,6 +436,7 @@ static void run_gemm(const job_t *j, int n0, int n1) {
                 for (int i = 0; i < np; i++) {
                     const row_t r = job_row(j, p0 + i);
                     dequant_blocks(j->fmt, &r, k0 / be, (k0 + kc) / be, buf + i * KC);
+                    if (j->round_bf16) round_bf16(buf + i * KC, kc);
                 }
                 for (int t = t0; t < t1; t += MR) {
                     const int R = t1 - t < MR ? t1 - t : MR;
@@ -547,7 +552,7 @@ static int prepare(job_t *job, int fmt, int gshift, const uint8_t *w, int64_t w_
         if (sx == NULL) return -2;
         lane_sums(x, ldx, T, nch, sx, sxs);
     }
-    *job = (job_t){fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y};
+    *job = (job_t){fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y, 0};
     return 0;
 }
 
@@ -606,3 +611,5 @@ int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *sca
     release(&job, sx_stack);
     return 0;
 }
+
+#include "qmatmul_bf16.c"  /* the bf16 regime: the same job, panels rounded to bf16 */

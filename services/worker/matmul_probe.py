@@ -7,7 +7,7 @@
 - ``auto``: only on a CPU with bf16 in its instruction set (AVX-512 BF16 / AMX / aarch64 BF16,
   read from /proc/cpuinfo at run time), an fp32 model on one CPU worker (tensor-parallel shards
   would have to agree), and not under ZEROSERVE_CPU_BF16=0. Then a start-up probe times whole
-  steps of this model, each in fp32 and with the panels: decode at batch 1, 8, 16, 32 and one
+  steps of this model, each in fp32 and with the panels: decode at batch 1, 4, 8, 16, 32 and one
   prefill chunk, through the model's real forward (the compiled decode step, attention, the
   LM head on the sampled rows). The panels are used from the smallest measured row count from
   which bf16 won every larger measured shape too (`choose_min_rows`); if it lost the largest
@@ -31,7 +31,7 @@ from kernels import AttentionMetadata, bf16, cpu_native
 log = get_logger("worker.matmul_dtype")
 
 MATMUL_DTYPES = ("auto", "float32", "bfloat16")
-PROBE_DECODE_BATCHES = (1, 8, 16, 32)
+PROBE_DECODE_BATCHES = (1, 4, 8, 16, 32)
 PROBE_PREFILL_TOKENS = 256
 PROBE_CONTEXT = 128  # tokens already in the cache of each decoding request
 # bf16 must beat fp32 by this factor at a shape to count as a win there (noise margin)

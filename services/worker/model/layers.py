@@ -112,6 +112,8 @@ class QuantizableWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.bf16_weight is not None and x.numel() >= self.bf16_min_rows * x.shape[-1]:
+            if self.qweight is not None and x.is_cpu and x.numel() < bf16.PANEL_MIN_ROWS * x.shape[-1]:
+                return self.qweight.linear_bf16(x, bias)  # decode-sized: packed bytes, bf16 compute
             return bf16.linear(x, self.bf16_weight, bias)
         if self.qweight is not None:
             return self.qweight.linear(x, bias)
