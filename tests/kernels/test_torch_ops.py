@@ -92,6 +92,8 @@ CASES = [
     # (seq_lens, q_lens, Hq, Hk, D, BS)
     ([5, 16, 17, 33], [1, 1, 1, 1], 8, 2, 32, 16),  # decode, block boundaries
     ([20, 7], [20, 7], 4, 4, 16, 16),  # pure prefill
+    ([37], [37], 8, 2, 32, 16),  # one whole prompt, GQA: SDPA's own causal mask (fresh)
+    ([12, 12], [12, 12], 4, 4, 16, 16),  # two whole prompts of one length (fresh, padded batch)
     ([40, 9, 31, 64], [8, 1, 31, 1], 8, 1, 32, 32),  # mixed: extend w/ prefix + decode + prefill
     ([48, 3, 17], [16, 1, 2], 6, 3, 16, 16),  # extend at block boundary, GQA 2
     ([5, 12], [0, 3], 4, 2, 16, 16),  # a request with no queries this step
