@@ -108,8 +108,8 @@ def test_choose_min_rows():
 
 def test_probe_shapes_fit_the_cache():
     full = matmul_probe.probe_shapes(16, 10_000)
-    assert [s.rows for s in full] == [1, 8, 16, 32, 256]
-    assert [s.rows for s in matmul_probe.probe_shapes(16, 160)] == [1, 8, 16, 256]  # 9 blocks per request
+    assert [s.rows for s in full] == [1, 4, 8, 16, 32, 256]
+    assert [s.rows for s in matmul_probe.probe_shapes(16, 160)] == [1, 4, 8, 16, 256]  # 9 blocks per request
     assert [s.rows for s in matmul_probe.probe_shapes(16, 20)] == [1, 256]
     assert matmul_probe.probe_shapes(16, 1) == []
 
@@ -185,7 +185,7 @@ def test_auto_never_takes_one_row_for_packed_weights(monkeypatch):
 def test_measure_times_every_shape_and_leaves_the_cache_clean():
     _, r = _runner("bfloat16", num_kv_blocks=160)
     timings, table = matmul_probe.measure(r, budget_s=0.0, min_reps=1)
-    assert sorted(timings) == [1, 8, 16, 256]  # b32 needs 32 * 9 blocks: trimmed
+    assert sorted(timings) == [1, 4, 8, 16, 256]  # b32 needs 32 * 9 blocks: trimmed
     assert all(a > 0 and b > 0 for a, b in timings.values()) and "prefill_256_bf16_ms" in table
     assert all(not k.any() and not v.any() for k, v in r.kv_caches)
     assert bf16.min_rows(r.model) == matmul_probe.NEVER
