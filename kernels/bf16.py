@@ -36,6 +36,7 @@ import torch.nn.functional as F
 # steps go to oneDNN on the panels: 1.5x the packed bf16 kernel at 256 rows (SmolLM2's gate/up,
 # one EPYC core, cache-hot: 5.3 vs 7.8 ms)
 PANEL_MIN_ROWS = 64
+NEVER = 1 << 62  # a min_rows no step reaches
 # rows from which the panels are used when nothing was measured: on the AVX-512 BF16 dev box
 # (2 EPYC cores, SmolLM2's 1536x576 gate/up, best of 40) bf16 took 0.09 ms at 8 rows against
 # fp32's 0.17 and the packed Q4 kernel's 0.20; at 1 row the packed kernel won (0.047 vs 0.074)

@@ -213,13 +213,7 @@ def _attention_group(
         )  # [B, Hk, grp, D]
         return out.reshape(b, 1, hq, d)
     if fresh and window is None and softcap is None:
-        qh = qf.transpose(1, 2)  # [B, Hq, Qmax, D]
-        k, v = k[:, :, :qmax], v[:, :, :qmax]
-        if grp > 1 and _HAS_ENABLE_GQA:
-            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            k, v = (k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)) if grp > 1 else (k, v)
-            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+        out = _sdpa_gqa(qf.transpose(1, 2), k[:, :, :qmax], v[:, :, :qmax], grp, scale, is_causal=True)
         return out.transpose(1, 2)
     ql = q_lens.long().view(b, 1, 1)
     i = torch.arange(qmax, device=dev).view(1, qmax, 1)
@@ -234,17 +228,17 @@ def _attention_group(
     if softcap is not None:
         out = _capped(qh.reshape(b, hk, grp, qmax, d), k, v, mask.unsqueeze(1), scale, softcap)
         return out.reshape(b, hq, qmax, d).transpose(1, 2)
+    return _sdpa_gqa(qh, k, v, grp, scale, attn_mask=mask).transpose(1, 2)
+
+
+def _sdpa_gqa(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp: int, scale: float, **mask) -> torch.Tensor:
+    """SDPA of qh [B, Hq, Q, D] over k/v [B, Hk, L, D], Hq = grp * Hk (`mask`: attn_mask= or
+    is_causal=): torch's own GQA where it has it, else K/V repeated per query head."""
+    if grp > 1 and _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(qh, k, v, scale=scale, enable_gqa=True, **mask)
     if grp > 1:
-        if _HAS_ENABLE_GQA:
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(qh, k.repeat_interleave(grp, 1),
-                                                 v.repeat_interleave(grp, 1), attn_mask=mask,
-                                                 scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)
+        k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
+    return F.scaled_dot_product_attention(qh, k, v, scale=scale, **mask)
 
 
 def _capped(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -1,14 +1,15 @@
 /* bf16 compute on packed weights (included by qmatmul.c, built with its flags):
  *   y[t, n] = sum_k bf16(x[t, k]) * bf16(w[n, k])   products exact, sums in fp32, y fp32
  * where w is the weight's exactly dequantized value and bf16() rounds to nearest even (torch's
- * .to(torch.bfloat16), bit for bit).
+ * .to(torch.bfloat16), bit for bit; the native path reads fp32 subnormals as zero).
  *
  * Why: a decode step of 8-64 rows is compute-bound in the fp32 GEMM path above (dequantize a
  * panel, 16 multiply-adds per vector instruction), while reading bf16 weight copies from memory
  * (kernels/bf16.py's panels) costs 2 bytes a weight against Q4_1's 0.6. Here the packed bytes are
  * read (as the fp32 path reads them), each panel is dequantized and rounded to bf16 in L1/L2, and
  * AVX-512 BF16's VDPBF16PS does 32 multiply-adds per instruction into fp32 accumulators.
- * Measured on SmolLM2's step linears at 16 rows (2 EPYC cores): see kernels/bf16.py.
+ * Measured (SmolLM2's gate/up 3072x576 Q4_1, 16 rows, one EPYC core, cache-hot): 0.56 ms against
+ * the fp32 packed GEMM's 1.45 (docs/results-log.md, 2026-12-03).
  *
  * Where the CPU has no AVX-512 BF16 the same values (x and the panel rounded to bf16, held as
  * fp32) go through the fp32 GEMM above: identical products, a different summation order, so
@@ -220,31 +221,31 @@ static int run_bf16(const job_t *j, int id, int cnt) {
     return 0;
 }
 
-/* zs_qmatmul_f32's arguments, computed in the bf16 regime above; thread id's share of a team of
- * `threads` (csrc/decode_step.c's teams), the shares of ids 0 .. threads-1 giving the whole. */
-int zs_qmatmul_bf16_part(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
-                         int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
-                         int T, int N, int K, int threads, int id) {
+#define BF16_ARGS int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins, \
+    int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy, int T, int N, int K, int threads
+
+/* The job of a bf16 call and its team size (0: nothing to compute), or -1 for bad arguments. */
+static int bf16_job(job_t *job, BF16_ARGS) {
     const int gshift = check_args(fmt, scales, mins, group, T, N, K);
     if (gshift < 0) return -1;
-    if (T == 0 || N == 0) return 0;
-    const int nt = team_size(T, N, K, threads);
-    if (id >= nt) return 0;
-    const job_t job = {.fmt = fmt, .gshift = gshift, .T = T, .N = N, .K = K, .w = w, .w_stride = w_stride,
-                       .s_stride = s_stride, .ldx = ldx, .ldy = ldy, .scales = scales, .mins = mins, .x = x, .y = y};
-    return run_bf16(&job, id, nt);
+    *job = (job_t){.fmt = fmt, .gshift = gshift, .T = T, .N = N, .K = K, .w = w, .w_stride = w_stride,
+                   .s_stride = s_stride, .ldx = ldx, .ldy = ldy, .scales = scales, .mins = mins, .x = x, .y = y};
+    return T == 0 || N == 0 ? 0 : team_size(T, N, K, threads);
+}
+
+/* zs_qmatmul_f32's arguments, computed in the bf16 regime above; thread id's share of a team of
+ * `threads` (csrc/decode_step.c's teams), the shares of ids 0 .. threads-1 giving the whole. */
+int zs_qmatmul_bf16_part(BF16_ARGS, int id) {
+    job_t job;
+    const int nt = bf16_job(&job, fmt, w, w_stride, scales, mins, s_stride, group, x, ldx, y, ldy, T, N, K, threads);
+    return nt < 0 ? -1 : id < nt ? run_bf16(&job, id, nt) : 0;
 }
 
 /* y = x @ W.T in the bf16 regime (see the top of this file); arguments as zs_qmatmul_f32's. */
-int zs_qmatmul_bf16(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
-                    int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
-                    int T, int N, int K, int threads) {
-    const int gshift = check_args(fmt, scales, mins, group, T, N, K);
-    if (gshift < 0) return -1;
-    if (T == 0 || N == 0) return 0;
-    const int nt = team_size(T, N, K, threads);
-    const job_t job = {.fmt = fmt, .gshift = gshift, .T = T, .N = N, .K = K, .w = w, .w_stride = w_stride,
-                       .s_stride = s_stride, .ldx = ldx, .ldy = ldy, .scales = scales, .mins = mins, .x = x, .y = y};
+int zs_qmatmul_bf16(BF16_ARGS) {
+    job_t job;
+    const int nt = bf16_job(&job, fmt, w, w_stride, scales, mins, s_stride, group, x, ldx, y, ldy, T, N, K, threads);
+    if (nt <= 0) return nt;
     if (nt == 1) return run_bf16(&job, 0, 1);
     atomic_int err = 0;
 #pragma omp parallel num_threads(nt)

@@ -36,7 +36,7 @@ PROBE_PREFILL_TOKENS = 256
 PROBE_CONTEXT = 128  # tokens already in the cache of each decoding request
 # bf16 must beat fp32 by this factor at a shape to count as a win there (noise margin)
 BF16_WIN = 0.95
-NEVER = 1 << 62  # a min_rows no step reaches: panels attached but unused
+NEVER = bf16.NEVER  # panels attached but unused
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from kernels.quant import FLOAT_MATMUL_MIN_ROWS, QuantizedWeight
 
 # word layout of decode_step.c's descriptor (its enums)
 G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16_ROWS, G_WORDS = 13, 14, 15, 16, 17
-NEVER = 1 << 62
 LIN_WORDS, L_WORDS = 8, 38
 L_K_CACHE, L_V_CACHE = 36, 37
 
@@ -56,7 +55,7 @@ class CpuDecodeStep:
              cfg.intermediate_size, cos_sin.shape[1], cos_sin.shape[0], cos_sin.data_ptr(), int(cfg.qk_norm),
              model.norm.weight.data_ptr(), _fn(cpu_native.quant_lib(), "zs_qmatmul_f32_part"),
              _fn(cpu_native.decode_lib(), "zs_paged_decode_f32_part"), 0, 0,  # block size, slots: per cache
-             _fn(cpu_native.quant_lib(), "zs_qmatmul_bf16_part"), NEVER]  # bf16 rows: per call
+             _fn(cpu_native.quant_lib(), "zs_qmatmul_bf16_part"), bf16.NEVER]  # bf16 rows: per call
         assert len(g) == G_WORDS
         self.g = torch.tensor(g, dtype=torch.int64)
         self.f = torch.tensor([cfg.rms_norm_eps, a0.scale if a0 is not None else 1.0], dtype=torch.float32)
@@ -72,7 +71,7 @@ class CpuDecodeStep:
             rows.append(row)
         self.layers = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), L_WORDS)
         self._caches_key = None
-        self._bf16_rows = NEVER
+        self._bf16_rows = bf16.NEVER
         # with bf16 panels attached (kernels/bf16.py) the linears compute in bf16 from their row
         # count on; here on the packed bytes (the same regime as QuantizableWeight.matmul's)
         self._panel_probe = model.layers[0].mlp.gate_up_proj if model.num_layers else None
@@ -132,7 +131,7 @@ class CpuDecodeStep:
         """hidden [T, H] token embeddings -> final-normed hidden states (in place)."""
         self._bind_caches(kv_caches)
         p = self._panel_probe
-        rows = p.bf16_min_rows if p is not None and p.bf16_weight is not None else NEVER
+        rows = p.bf16_rows() if p is not None else bf16.NEVER
         if rows != self._bf16_rows:  # the probe and bf16.set_min_rows change it
             self.g[G_BF16_ROWS] = self._bf16_rows = rows
         t = hidden.shape[0]

@@ -90,7 +90,7 @@ class QuantizableWeight(nn.Module):
     qweight: QuantizedWeight | None = None
     # a bf16 copy of the weight for steps of at least bf16_min_rows rows (kernels/bf16.py)
     bf16_weight: torch.Tensor | None = None
-    bf16_min_rows: int = 1 << 62
+    bf16_min_rows: int = bf16.NEVER
 
     @property
     def quantized(self) -> bool:
@@ -110,8 +110,12 @@ class QuantizableWeight(nn.Module):
         self.qweight = qw
         self._packed_rows = want[0]
 
+    def bf16_rows(self) -> int:
+        """Rows of a step from which this linear computes in bf16 (bf16.NEVER: no panel attached)."""
+        return self.bf16_min_rows if self.bf16_weight is not None else bf16.NEVER
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.bf16_weight is not None and x.numel() >= self.bf16_min_rows * x.shape[-1]:
+        if x.numel() >= self.bf16_rows() * x.shape[-1]:
             if self.qweight is not None and x.is_cpu and x.numel() < bf16.PANEL_MIN_ROWS * x.shape[-1]:
                 return self.qweight.linear_bf16(x, bias)  # decode-sized: packed bytes, bf16 compute
             return bf16.linear(x, self.bf16_weight, bias)
