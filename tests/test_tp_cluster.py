@@ -122,7 +122,8 @@ def test_tp2_greedy_matches_hf_and_tp1(cluster, reference, concurrent):
     deadline = time.monotonic() + 10
     while True:
         w0, w1 = _group(cluster.stats(), "g0")["workers"]
-        if w0["w_steps"] >= after["steps"] and w1["w_steps"] >= after["steps"]:
+        # a shard that has not sent a heartbeat since joining has no w_* figures yet
+        if w0.get("w_steps", 0) >= after["steps"] and w1.get("w_steps", 0) >= after["steps"]:
             break
         assert time.monotonic() < deadline, (w0, w1, after["steps"])
         time.sleep(0.3)
