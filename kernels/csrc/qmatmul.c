@@ -300,6 +300,52 @@ INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *
     for (int r = 0; r < R; r++) acc[r] = a[r];
 }
 
+/* One row of x against NW weight rows: per (x row, weight row) exactly tile(fmt, 1, ...)'s
+ * operations in the same order, but NW independent accumulator chains interleave. Why: one row
+ * of x gives tile() a single chain with two dependent FMAs per chunk, so FMA latency, not
+ * throughput, bounded batch-1 decode (SmolLM2's Q4_1 linears ran at ~17 cycles per chunk on
+ * AVX2); with four chains the core overlaps them: 0.158 -> 0.111 ms for a 1536x576 Q4_1 linear
+ * on one core (benchmarks/quant_matmul.py --tokens 1 --threads 1). Only for the 4-bit formats:
+ * 8-bit codes decode in fewer operations, their loop is bound by memory, and interleaving four
+ * rows made the Q8_0 LM head slower (2.4 -> 3.6 ms). acc[i * acc_stride] is weight row i's sum. */
+#define NW 4
+INLINE void tile_rows(int fmt, const row_t *rows, int b0, int b1, const float *x, const float *sx, vf *acc,
+                      int acc_stride) {
+    vf a[NW];
+    for (int i = 0; i < NW; i++) a[i] = acc[i * acc_stride];
+    const int cpb = block_elems(fmt) / 32;
+    for (int b = b0; b < b1; b++) {
+        for (int i = 0; i < NW; i++) {
+            float d[8], m[8];
+            __builtin_prefetch(rows[i].w + (int64_t)block_bytes(fmt) * b + PF_AHEAD);
+            const int nc = block_prep(fmt, &rows[i], b, d, m);
+            int64_t c = (int64_t)b * cpb;
+            for (int j = 0; j < nc;) {
+                vf w[2][NV];
+                const int got = decode(fmt, &rows[i], b, j, w);
+                for (int u = 0; u < got; u++, j++, c++) {
+                    const int jj = fmt == F_Q4_K ? j : 0;
+                    const vf vd = VSET1(d[jj]);
+                    if (asym(fmt))
+                        a[i] = VFMA(VSET1(m[jj]), VLOAD(sx + c * VW), VFMA(vd, dot32(w[u], x + c * 32), a[i]));
+                    else
+                        a[i] = VFMA(vd, dot32(w[u], x + c * 32), a[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NW; i++) acc[i * acc_stride] = a[i];
+}
+
+#define ROWS_ARGS const row_t *w, int b0, int b1, const float *x, const float *sx, vf *acc, int as
+typedef void (*rows_fn)(ROWS_ARGS);
+#define ROWS1(F, NAME) static void NAME##_rows(ROWS_ARGS) { tile_rows(F, w, b0, b1, x, sx, acc, as); }
+ROWS1(F_Q4_0, q4_0)
+ROWS1(F_Q4_1, q4_1)
+ROWS1(F_Q4_K, q4_k)
+ROWS1(F_INT4, int4)
+static const rows_fn ROWS_FNS[F_COUNT] = {NULL, q4_0_rows, q4_1_rows, q4_k_rows, NULL, int4_rows};
+
 /* One specialization per (format, R = 1, 2, 4, 8): R accumulators in registers. Other R are
  * split into these (each row's arithmetic is the same whatever its tile). */
 #define TILE_ARGS const row_t *w, int b0, int b1, const float *x, int64_t l, const float *sx, int64_t ls, vf *acc
@@ -474,7 +520,14 @@ static void run(const job_t *j, int id, int cnt) {
                     for (int r = 0; r < R; r++) acc[n - p0][r] = VZERO();
                 for (int b = 0; b < nb; b += bps) {
                     const int b1 = b + bps < nb ? b + bps : nb;
-                    for (int n = p0; n < p1; n++) {
+                    int n = p0;
+                    if (R == 1 && j->fmt != F_Q8_0 && j->fmt != F_INT8)  /* see tile_rows */
+                        for (; n + NW <= p1; n += NW) {
+                            row_t rs[NW];
+                            for (int i = 0; i < NW; i++) rs[i] = job_row(j, n + i);
+                            ROWS_FNS[j->fmt](rs, b, b1, xt, st, acc[n - p0], RMAX);
+                        }
+                    for (; n < p1; n++) {
                         const row_t r = job_row(j, n);
                         for (int i = 3, r0 = 0; i >= 0; i--)  /* R as 8 + 4 + 2 + 1 */
                             if (R & (1 << i)) {
