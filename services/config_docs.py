@@ -31,8 +31,9 @@ OTHER_ENV = (
     ("ZEROSERVE_CPU_NATIVE", "`0`: do not compile the C kernels; the torch twins run instead", "kernels/cpu_native.py"),
     ("ZEROSERVE_CPU_STEP", "`0`: no compiled whole-decode step; each layer's ops are called from Python",
      "services/worker/model/cpu_step.py"),
-    ("OMP_WAIT_POLICY", "a worker sets `PASSIVE` unless this is set (spinning OpenMP threads slowed decode-sized "
-     "ops 5-8x on shared cores)", "services/worker/threads.py"),
+    ("OMP_WAIT_POLICY", "unset: libgomp's spin-then-sleep default; `up` sets `PASSIVE` for its workers when their "
+     "threads add up to more than the CPUs (teams spinning against each other slowed decode-sized ops 5-8x)",
+     "services/worker/threads.py"),
 )
 
 _PLACEHOLDER = {"int": "N", "float": "X"}  # a value's kind, shorter than argparse's DEST

@@ -28,7 +28,7 @@ from common.config import (
     to_cli_args,
 )
 from common.log import get_logger, setup_logging
-from services.worker.threads import usable_cpus
+from services.worker.threads import usable_cpus, wait_policy_for
 
 log = get_logger("up")
 
@@ -81,12 +81,16 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
     engine = to_cli_args(from_cli_args(EngineArgs, args, model=model, tp_size=args.tp), only=WORKER_ENGINE_KNOBS)
     n_shards = args.workers * args.tp
     threads = args.threads or max(1, usable_cpus() // n_shards)
+    # teams that together ask for more threads than the host has wait passively (threads.py)
+    policy = wait_policy_for(n_shards * threads)
+    worker_env = {"OMP_WAIT_POLICY": policy} if policy else {}
     for g in range(args.workers):
         for r in range(args.tp):
             worker = WorkerArgs(scheduler=backend, group=f"g{g}", tp_rank=r, worker_id=f"g{g}-r{r}", threads=threads,
                                 curve_keys=curve_keys)
             name = f"worker g{g}" + (f" rank {r}" if args.tp > 1 else "")
-            children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine]))
+            children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine],
+                                  env=dict(worker_env)))
     if gateway:
         gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
                          models=[model], curve_keys=curve_keys, nice=args.gateway_nice,

@@ -1,4 +1,5 @@
-"""A worker sets its OpenMP wait policy and thread count before torch loads (services/worker/threads.py)."""
+"""A worker sets its thread count before torch loads, and `up` its workers' OpenMP wait policy
+(services/worker/threads.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ sys.path.insert(0, {root!r})
 from services.worker.threads import configure
 configure({threads})
 import torch
-print(json.dumps({{"policy": __import__("os").environ["OMP_WAIT_POLICY"], "threads": torch.get_num_threads()}}))
+print(json.dumps({{"policy": __import__("os").environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}}))
 """
 
 
@@ -27,8 +28,37 @@ def _probe(threads, **env) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_passive_by_default_and_threads_as_asked():
-    assert _probe(1) == {"policy": "PASSIVE", "threads": 1}
+def test_libgomp_default_policy_and_threads_as_asked():
+    assert _probe(1) == {"policy": None, "threads": 1}
+
+
+def test_passive_only_when_teams_oversubscribe_the_cpus(monkeypatch):
+    from services.worker.threads import wait_policy_for
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert wait_policy_for(2, cpus=2) is None
+    assert wait_policy_for(4, cpus=2) == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice is left alone
+    assert wait_policy_for(4, cpus=2) is None
+
+
+def test_up_gives_oversubscribed_workers_passive_waits(monkeypatch):
+    """`up --workers 2 --threads 2` on 2 CPUs: each worker waits passively; one fitting worker
+    keeps the default."""
+    from services import launcher
+    from services.cli import build_parser
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(launcher, "usable_cpus", lambda: 2)
+    monkeypatch.setattr("services.worker.threads.usable_cpus", lambda: 2)
+
+    def worker_envs(argv):
+        args = build_parser().parse_args(["up", *argv])
+        return [c.env for c in launcher.plan_children(args, "m") if c.role == "worker"]
+
+    assert worker_envs(["--workers", "2", "--threads", "2"]) == [{"OMP_WAIT_POLICY": "PASSIVE"}] * 2
+    assert worker_envs(["--workers", "1"]) == [{}]
+    assert worker_envs(["--workers", "2"]) == [{}, {}]  # one thread each
 
 
 def test_the_users_environment_wins():

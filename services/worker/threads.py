@@ -1,22 +1,26 @@
 """CPU threads and OpenMP's wait policy for a worker process, set before torch is imported
 (libgomp and MKL read their environment once, when they load).
 
-A worker shares its cores: with the scheduler, the detokenizer and the gateway under `zeroserve
-up`, with other workers in a compose stack. OpenMP threads that spin while they wait (the
-default) then steal those cycles, and lose them back to every other spinning thread: on the
-2-core dev box a decode-sized linear went from 1.2 ms to 8.6 ms with another busy process, and
-the same worker workload took 28.9 s spinning vs 21.0 s with PASSIVE. On a host running only
-the cluster no setting was clearly ahead (SmolLM2, 32 streams through `benchmarks/serve.py`,
-output tok/s, HTTP/direct: PASSIVE 71.8/76.8 and 69.3/78.4; ACTIVE 73.8/78.5; libgomp's default
-spin-then-sleep 89.8/90.2, 66.1/71.5, 84.9/67.9: +-15% run to run). So a worker waits passively
-unless OMP_WAIT_POLICY says otherwise: little to lose alone, much when the cores are shared.
+Wait policy. libgomp's default (no OMP_WAIT_POLICY) spins a while before a waiting thread
+sleeps; PASSIVE sleeps at once, ACTIVE never sleeps. A worker keeps the default unless its
+team would share cores with other workers' teams (`wait_policy_for`): there, spinning threads
+steal each other's cycles (a decode-sized linear went from 1.2 ms to 8.6 ms beside another busy
+worker, and the same workload took 28.9 s spinning vs 21.0 s with PASSIVE). Beside the light
+processes of a cluster (scheduler, detokenizer, gateway) the default wins: a thread that sleeps
+at every torch op's fork and join pays a wake-up each time, and on a virtual machine waking an
+idle vCPU is slow. Measured with `benchmarks/serve_peers.py --servers zeroserve` (SmolLM2 Q4_1,
+2-core AMD EPYC VM, AVX2), two runs each, interleaved: PASSIVE 79.8 / 77.8 output tok/s at 16
+concurrent, batch-1 TPOT 21.7 / 25.8 ms, batch-1 TTFT 255 / 269 ms; the default 86.6 / 87.1,
+15.5 / 18.0 ms, 125 / 137 ms (a 256-token prefill in process: ~960 vs ~620 ms). A bounded spin
+(GOMP_SPINCOUNT=20000, ~0.5 ms) measured between the two: 84.5 / 87.2 tok/s against 91.9 / 97.9.
 """
 
 from __future__ import annotations
 
 import os
 
-DEFAULT_WAIT_POLICY = "PASSIVE"
+# the policy for workers whose teams together ask for more threads than the host has CPUs
+OVERSUBSCRIBED_WAIT_POLICY = "PASSIVE"
 
 
 def usable_cpus() -> int:
@@ -27,12 +31,21 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def configure(threads: int | None) -> dict[str, str]:
-    """Set OMP_WAIT_POLICY (unless set) and OMP_NUM_THREADS / MKL_NUM_THREADS (unless set) to
-    ``threads`` or the usable CPUs; returns what is in effect. Call before importing torch."""
-    os.environ.setdefault("OMP_WAIT_POLICY", DEFAULT_WAIT_POLICY)
+def wait_policy_for(total_threads: int, cpus: int | None = None) -> str | None:
+    """The OMP_WAIT_POLICY for workers on one host whose teams add up to `total_threads`:
+    PASSIVE when that is more than the CPUs (their threads would spin against each other),
+    else None (libgomp's spin-then-sleep default). The user's own OMP_WAIT_POLICY wins."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return None
+    return OVERSUBSCRIBED_WAIT_POLICY if total_threads > (cpus or usable_cpus()) else None
+
+
+def configure(threads: int | None) -> dict[str, str | None]:
+    """Set OMP_NUM_THREADS / MKL_NUM_THREADS (unless set) to ``threads`` or the usable CPUs;
+    returns the thread count and the wait policy in effect (None: libgomp's default). Call
+    before importing torch."""
     n = str(threads or os.environ.get("OMP_NUM_THREADS") or usable_cpus())  # the user's count sizes MKL too
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         if threads or var not in os.environ:
             os.environ[var] = n
-    return {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
