@@ -258,10 +258,7 @@ class QuantizedWeight:
             # many rows (prefill): MKL on the dequantized weight (see FLOAT_MATMUL_MIN_ROWS);
             # unpacking once is cheap next to it
             return F.linear(x, self.dequantize(x.dtype), bias)
-        y = kernel_linear(lib, self, x if x.dtype == torch.float32 else x.float())
-        if bias is not None:
-            y += bias.float()
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self._on_kernel(lib, x, bias, bf16=False)
 
     def linear_bf16(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias) in the bf16 regime: x and the dequantized W rounded to bf16, the
@@ -270,7 +267,11 @@ class QuantizedWeight:
         lib = cpu_native.quant_lib() if x.is_cpu else None
         if lib is None:
             return self.linear_bf16_twin(x, bias)
-        y = kernel_linear(lib, self, x if x.dtype == torch.float32 else x.float(), bf16=True)
+        return self._on_kernel(lib, x, bias, bf16=True)
+
+    def _on_kernel(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None, bf16: bool) -> torch.Tensor:
+        """kernel_linear in fp32 for any x dtype, the bias added in fp32, x's dtype back."""
+        y = kernel_linear(lib, self, x if x.dtype == torch.float32 else x.float(), bf16=bf16)
         if bias is not None:
             y += bias.float()
         return y if x.dtype == torch.float32 else y.to(x.dtype)

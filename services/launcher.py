@@ -80,9 +80,10 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
                       role="detokenizer")]
     engine = to_cli_args(from_cli_args(EngineArgs, args, model=model, tp_size=args.tp), only=WORKER_ENGINE_KNOBS)
     n_shards = args.workers * args.tp
-    threads = args.threads or max(1, usable_cpus() // n_shards)
+    cpus = usable_cpus()
+    threads = args.threads or max(1, cpus // n_shards)
     # teams that together ask for more threads than the host has wait passively (threads.py)
-    policy = wait_policy_for(n_shards * threads)
+    policy = wait_policy_for(n_shards * threads, cpus)
     worker_env = {"OMP_WAIT_POLICY": policy} if policy else {}
     for g in range(args.workers):
         for r in range(args.tp):

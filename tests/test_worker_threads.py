@@ -50,7 +50,6 @@ def test_up_gives_oversubscribed_workers_passive_waits(monkeypatch):
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(launcher, "usable_cpus", lambda: 2)
-    monkeypatch.setattr("services.worker.threads.usable_cpus", lambda: 2)
 
     def worker_envs(argv):
         args = build_parser().parse_args(["up", *argv])

@@ -267,6 +267,14 @@ INLINE vf lanesum32(const float *x) {
 #endif
 }
 
+/* One chunk's step of an accumulator chain: a = fma(d, x_c . q_c, a), then for the formats with
+ * an offset a = fma(m, lanesum(x_c), a) (the lane sums at sx + so; sx is NULL for the others).
+ * tile() and tile_rows() both go through it, so every tiling computes the same bits. */
+INLINE vf chunk_acc(int fmt, const vf *w, vf vd, vf vm, const float *xc, const float *sx, int64_t so, vf a) {
+    a = VFMA(vd, dot32(w, xc), a);
+    return asym(fmt) ? VFMA(vm, VLOAD(sx + so), a) : a;
+}
+
 /* Blocks [b0, b1) of one weight row against R rows of x (x, sx at the row starts), accumulated
  * into acc[r]: per chunk c, acc = fma(d_c, x_c . q_c, acc), then acc = fma(m_c, lanesum(x_c),
  * acc). One vector chain per (row of x, row of w) over K in order, so how K is sliced and rows
@@ -286,14 +294,9 @@ INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *
             const int got = decode(fmt, row, b, j, w);
             for (int u = 0; u < got; u++, j++, c++) {
                 const int jj = fmt == F_Q4_K ? j : 0;
-                const vf vd = VSET1(d[jj]);
-                if (asym(fmt)) {
-                    const vf vm = VSET1(m[jj]);
-                    for (int r = 0; r < R; r++)
-                        a[r] = VFMA(vm, VLOAD(sx + r * sxs + c * VW), VFMA(vd, dot32(w[u], x + r * ldx + c * 32), a[r]));
-                } else {
-                    for (int r = 0; r < R; r++) a[r] = VFMA(vd, dot32(w[u], x + r * ldx + c * 32), a[r]);
-                }
+                const vf vd = VSET1(d[jj]), vm = asym(fmt) ? VSET1(m[jj]) : VZERO();
+                for (int r = 0; r < R; r++)
+                    a[r] = chunk_acc(fmt, w[u], vd, vm, x + r * ldx + c * 32, sx, r * sxs + c * VW, a[r]);
             }
         }
     }
@@ -325,11 +328,8 @@ INLINE void tile_rows(int fmt, const row_t *rows, int b0, int b1, const float *x
                 const int got = decode(fmt, &rows[i], b, j, w);
                 for (int u = 0; u < got; u++, j++, c++) {
                     const int jj = fmt == F_Q4_K ? j : 0;
-                    const vf vd = VSET1(d[jj]);
-                    if (asym(fmt))
-                        a[i] = VFMA(VSET1(m[jj]), VLOAD(sx + c * VW), VFMA(vd, dot32(w[u], x + c * 32), a[i]));
-                    else
-                        a[i] = VFMA(vd, dot32(w[u], x + c * 32), a[i]);
+                    a[i] = chunk_acc(fmt, w[u], VSET1(d[jj]), asym(fmt) ? VSET1(m[jj]) : VZERO(), x + c * 32, sx,
+                                     c * VW, a[i]);
                 }
             }
         }
@@ -521,7 +521,7 @@ static void run(const job_t *j, int id, int cnt) {
                 for (int b = 0; b < nb; b += bps) {
                     const int b1 = b + bps < nb ? b + bps : nb;
                     int n = p0;
-                    if (R == 1 && j->fmt != F_Q8_0 && j->fmt != F_INT8)  /* see tile_rows */
+                    if (R == 1 && ROWS_FNS[j->fmt])  /* the 4-bit formats: see tile_rows */
                         for (; n + NW <= p1; n += NW) {
                             row_t rs[NW];
                             for (int i = 0; i < NW; i++) rs[i] = job_row(j, n + i);

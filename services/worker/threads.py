@@ -31,13 +31,13 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def wait_policy_for(total_threads: int, cpus: int | None = None) -> str | None:
-    """The OMP_WAIT_POLICY for workers on one host whose teams add up to `total_threads`:
-    PASSIVE when that is more than the CPUs (their threads would spin against each other),
-    else None (libgomp's spin-then-sleep default). The user's own OMP_WAIT_POLICY wins."""
+def wait_policy_for(total_threads: int, cpus: int) -> str | None:
+    """The OMP_WAIT_POLICY for workers on one host of `cpus` CPUs whose teams add up to
+    `total_threads`: PASSIVE when that is more than the CPUs (their threads would spin against
+    each other), else None (libgomp's spin-then-sleep default). The user's own OMP_WAIT_POLICY wins."""
     if "OMP_WAIT_POLICY" in os.environ:
         return None
-    return OVERSUBSCRIBED_WAIT_POLICY if total_threads > (cpus or usable_cpus()) else None
+    return OVERSUBSCRIBED_WAIT_POLICY if total_threads > cpus else None
 
 
 def configure(threads: int | None) -> dict[str, str | None]:
