@@ -51,7 +51,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def smollm2_path() -> Path | None:
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
 
     return installed_real_model()
 
@@ -99,8 +99,8 @@ def lm_head_choice(model: Path, rows=(1, 8, 32), iters: int = 10) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from common.gguf_config import GGUFFile
-    from kernels.quant import QuantizedWeight
+    from zeroserve.common.gguf_config import GGUFFile
+    from zeroserve.kernels.quant import QuantizedWeight
 
     gf = GGUFFile(model)
     t = gf.tensors["token_embd.weight"]

@@ -1,4 +1,4 @@
-"""Codec micro-benchmark: protocol v2 (common.codec, msgspec) against v1 (common/protocol.py from git).
+"""Codec micro-benchmark: protocol v2 (zeroserve.common.codec, msgspec) against v1 (common/protocol.py from git).
 
 Encode + decode round trips of the messages that cross the wire every scheduling step with 256
 running requests:
@@ -75,7 +75,7 @@ def baseline_source(rev: str | None) -> tuple[str, str]:
 
 def load_v1(source: str, tmp: Path) -> Any:
     """Write v1 to ``tmp/protocol_v1.py`` and import it under that name (it imports only msgpack,
-    numpy and common.errors; the repository root is first on sys.path)."""
+    numpy and zeroserve.common.errors; the repository root is first on sys.path)."""
     path = tmp / "protocol_v1.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("protocol_v1", path)
@@ -106,13 +106,13 @@ def workload_inputs(seed: int = 0) -> dict[str, Any]:
 
 
 def params_for(i: int):
-    from common.sampling_params import SamplingParams
+    from zeroserve.common.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=256, seed=i)
 
 
 def v2_messages(w: dict[str, Any]) -> dict[str, Any]:
-    from common import messages as M
+    from zeroserve.common import messages as M
 
     cached = M.CachedRequests.build(w["ids"], w["computed"], np.ones(N_REQ, np.int32), w["blocks"])
     new = [M.NewRequest(req_id=f"new-{i}", token_ids=w["prompts"][i], num_prompt_tokens=PROMPT_LEN,
@@ -206,14 +206,14 @@ def main(argv=None) -> int:
     global _clock
     _clock = CLOCKS[args.clock]
 
-    from common import codec as C
-    from common.sampling_params import SamplingParams
+    from zeroserve.common import codec as C
+    from zeroserve.common.sampling_params import SamplingParams
 
     rev, source = baseline_source(args.baseline_rev)
     with tempfile.TemporaryDirectory(prefix="zeroserve-codec-bench-") as tmp:
         P = load_v1(source, Path(tmp))
     log(f"v1: common/protocol.py at {rev} (PROTOCOL_VERSION {P.PROTOCOL_VERSION}); "
-        f"v2: common.codec (PROTOCOL_VERSION {C.PROTOCOL_VERSION})")
+        f"v2: zeroserve.common.codec (PROTOCOL_VERSION {C.PROTOCOL_VERSION})")
 
     w = workload_inputs()
     m2, m1 = v2_messages(w), v1_messages(P, w)
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
         else:
             record["messages"][name] = {k: round(v, 2) for k, v in r.items() if isinstance(v, float)}
         rows.append(r)
-    print(f"codec round trip (encode + decode), {N_REQ} requests; v1 = common/protocol.py@{rev}, v2 = common.codec; "
+    print(f"codec round trip (encode + decode), {N_REQ} requests; v1 = common/protocol.py@{rev}, v2 = zeroserve.common.codec; "
           f"{args.repeats} interleaved samples of >= {args.min_time * 1e3:.0f} ms {args.clock} time each; "
           "speedup = v1 time / v2 time (> 1: v2 faster)")
     print_table(rows)

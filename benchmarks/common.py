@@ -61,7 +61,7 @@ ensure_repo_on_path()
 
 # --------------------------------------------------------------------------------------- model
 
-# The benchmark model (used when services.tiny_model has no "bench" size): ~30M parameters,
+# The benchmark model (used when zeroserve.services.tiny_model has no "bench" size): ~30M parameters,
 # Llama-shaped (GQA 8q/4kv heads, SwiGLU), vocab 8192.
 BENCH_OVERRIDES: dict[str, Any] = dict(
     hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -88,13 +88,13 @@ def _generator_digest() -> str:
 
 def bench_model_dir(arch: str = "llama", size: str = "bench", seed: int = 0, dtype: str = "float32",
                     cache_dir: str | os.PathLike | None = None, **overrides: Any) -> Path:
-    """A random-weight HF model directory built by services.tiny_model, created once and cached.
+    """A random-weight HF model directory built by zeroserve.services.tiny_model, created once and cached.
 
     `dtype` is the checkpoint dtype written to config.json (float32 by default, so "auto" is
     fp32 for both zeroserve and transformers). If tiny_model has no `size` (an older tree), the
     "default" size is used with BENCH_OVERRIDES. Safe against concurrent creators (build in a
     private temp dir, then rename)."""
-    from services import tiny_model
+    from zeroserve.services import tiny_model
 
     cfg_overrides = dict(overrides)
     use_size = size
@@ -308,7 +308,7 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
     }
     try:
-        from kernels.cpu_native import cpu_model, native_bf16
+        from zeroserve.kernels.cpu_native import cpu_model, native_bf16
 
         info["cpu"], info["native_bf16"] = cpu_model(), native_bf16()
     except Exception:  # noqa: BLE001 - an older tree: no CPU facts

@@ -40,7 +40,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from kernels import AttentionMetadata, cpu_native, torch_ops
+    from zeroserve.kernels.metadata import AttentionMetadata
+    from zeroserve.kernels import cpu_native, torch_ops
 
     if not cpu_native.available():
         print(f"compiled CPU kernels unavailable: {cpu_native.unavailable_reason()}")

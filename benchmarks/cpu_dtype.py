@@ -116,10 +116,10 @@ def linear_table(row_counts=(1, 8, 16, 32, 64, 256), reps: int = 30) -> list[dic
     """ms per linear (best of `reps`, weights cache-resident) for SmolLM2's gate/up and down
     shapes: the packed Q4 kernel (kernels/csrc/qmatmul.c, the weights int4-quantized), fp32
     F.linear on the dequantized weight, bf16 F.linear on a plain bf16 weight, and the bf16 panel
-    as served (oneDNN prepacked, kernels.bf16.linear)."""
+    as served (oneDNN prepacked, zeroserve.kernels.bf16.linear)."""
     import torch
 
-    from kernels import bf16, cpu_native, quant
+    from zeroserve.kernels import bf16, cpu_native, quant
 
     def best(f):
         f()
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in a decode run")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept), interleaved")
     ap.add_argument("--bf16-min-rows", type=int, default=None, help="rows from which the panels run (default: the "
-                                                                     "built-in kernels.bf16.DEFAULT_MIN_ROWS)")
+                                                                     "built-in zeroserve.kernels.bf16.DEFAULT_MIN_ROWS)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--concurrent", type=int, default=16, help="requests at once in the LLM.generate run (0: skip)")
     ap.add_argument("--concurrent-prompt", type=int, default=256)
@@ -169,9 +169,9 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.batch1 import smollm2_path
-    from kernels import bf16, cpu_native
-    from services.worker import matmul_probe
-    from services.worker.dtype import probe_linear, resolve_dtype
+    from zeroserve.kernels import bf16, cpu_native
+    from zeroserve.services.worker import matmul_probe
+    from zeroserve.services.worker.dtype import probe_linear, resolve_dtype
     from zeroserve import LLM
 
     env = environment()

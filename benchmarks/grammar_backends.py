@@ -55,7 +55,7 @@ CASES = [("json_schema", "schema", json.dumps(INSTANCE, separators=(",", ":"))),
 
 
 def default_model() -> str:
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
 
     path = installed_real_model()
     if path is None:
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
-    from common.tokenizer import load_tokenizer
+    from zeroserve.common.tokenizer import load_tokenizer
 
     tok = load_tokenizer(a.model or default_model())
     vocab = len(tok)

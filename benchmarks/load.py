@@ -31,7 +31,7 @@ _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from zeroserve import LLM, SamplingParams
-from common.model_config import ModelConfig
+from zeroserve.common.model_config import ModelConfig
 t1 = time.perf_counter()
 cfg = ModelConfig.from_dir(sys.argv[1])
 t2 = time.perf_counter()

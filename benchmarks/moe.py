@@ -1,7 +1,7 @@
 """MoE decode step time: against a dense model with the same active parameters, and as the expert
 count grows at a fixed top-2.
 
-Models are built in memory with random weights (services.worker.model.build_model; no files):
+Models are built in memory with random weights (zeroserve.services.worker.model.build_model; no files):
 Mixtral layout, hidden 512, 4 layers, 8 heads (4 KV heads, head_dim 64), vocab 8192, each
 expert's MLP width --expert-inter (512). The dense twin has the same attention and an MLP of
 width top_k * expert_inter, so a token multiplies the same number of weights in both (the
@@ -35,7 +35,7 @@ from benchmarks.common import environment, json_line, loadavg, log, print_table 
 
 
 def _config(num_experts: int, top_k: int, expert_inter: int, layers: int):
-    from common.model_config import ModelConfig
+    from zeroserve.common.model_config import ModelConfig
 
     hf = {"hidden_size": 512, "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 4,
           "head_dim": 64, "vocab_size": 8192, "max_position_embeddings": 4096}
@@ -48,7 +48,7 @@ def _config(num_experts: int, top_k: int, expert_inter: int, layers: int):
 
 
 def _decode_meta(batch: int, context: int, block_size: int):
-    from kernels import AttentionMetadata
+    from zeroserve.kernels.metadata import AttentionMetadata
 
     per = -(-(context + 1) // block_size)
     tables = torch.arange(batch * per, dtype=torch.int32).view(batch, per)
@@ -65,13 +65,13 @@ class _Bench:
     """One model with its decode batch and caches, timed in rounds (see main)."""
 
     def __init__(self, cfg, batch: int, context: int, backend: str, seed: int = 0, quantization: str = "none"):
-        from kernels import get_ops
-        from services.worker.model import build_model
+        from zeroserve.kernels.dispatch import get_ops
+        from zeroserve.services.worker.model import build_model
 
         self.cfg, self.batch = cfg, batch
         self.model = build_model(cfg, "cpu", torch.float32, get_ops(backend), init="random", seed=seed)
         if quantization != "none":  # as a load with --quantization int8|int4 packs the weights
-            from services.worker.model import quantize as Q
+            from zeroserve.services.worker.model import quantize as Q
 
             for pname, target in Q.int_targets(self.model, quantization).items():
                 Q.quantize_module(pname, *target, self.model.device)

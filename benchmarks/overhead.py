@@ -59,9 +59,9 @@ def _worker_stats(stats: dict) -> tuple[int, float]:
 
 def run_cluster(model_dir: Path, wl, args, threads: int) -> dict:
     from benchmarks.common import ensure_repo_on_path
-    from services.cli import build_parser
-    from services.launcher import plan_children, stop_children, wait_ready
-    from common.transport import free_port_block
+    from zeroserve.services.cli import build_parser
+    from zeroserve.services.launcher import plan_children, stop_children, wait_ready
+    from zeroserve.common.transport import free_port_block
     from zeroserve import Client, SamplingParams
 
     ensure_repo_on_path()

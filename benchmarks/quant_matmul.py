@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from kernels import cpu_native, quant
+    from zeroserve.kernels import cpu_native, quant
 
     lib = cpu_native.quant_lib()
     if lib is None:

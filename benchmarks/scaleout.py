@@ -62,7 +62,7 @@ def parse_args(argv=None):
     ap.add_argument("--min-output", type=int, default=DEFAULTS["min_output"])
     ap.add_argument("--max-output", type=int, default=DEFAULTS["max_output"])
     ap.add_argument("--size", default="bench", choices=["tiny", "default", "bench"],
-                    help="random-weight model size (services.tiny_model SIZES; bench = ~32M params, default = ~4M)")
+                    help="random-weight model size (zeroserve.services.tiny_model SIZES; bench = ~32M params, default = ~4M)")
     ap.add_argument("--model-dir", default=None, help="an HF model directory instead of the generated one")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per worker")

@@ -436,10 +436,10 @@ def print_report(s: dict) -> None:
 # ------------------------------------------------------------------------------------ launch
 def launch(model: str, args):
     """A local cluster with its gateway on free ports -> (children, client address, base url)."""
-    from common.transport import free_port_block
-    from services.cli import build_parser
-    from services.launcher import _wait_port, plan_children, wait_ready
-    from services.tiny_model import default_model_dir, installed_real_model
+    from zeroserve.common.transport import free_port_block
+    from zeroserve.services.cli import build_parser
+    from zeroserve.services.launcher import _wait_port, plan_children, wait_ready
+    from zeroserve.services.tiny_model import default_model_dir, installed_real_model
 
     if model == "tiny":
         model = str(default_model_dir())
@@ -600,7 +600,7 @@ def main(argv=None) -> int:
         results = _run(main_async(args, base_url, direct, children))
     finally:
         if children:
-            from services.launcher import stop_children
+            from zeroserve.services.launcher import stop_children
 
             stop_children(children)
     for s in results:

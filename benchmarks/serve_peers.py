@@ -65,7 +65,7 @@ def server_command(name: str, a, gguf: Path, hf_dir: Path | None, port: int) -> 
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     if name == "zeroserve":
         zport = free_port()
-        return [sys.executable, "-m", "services.cli", "up", "--model", str(gguf), "--port", str(zport),
+        return [sys.executable, "-m", "zeroserve.services.cli", "up", "--model", str(gguf), "--port", str(zport),
                 "--gateway-port", str(port)] + a.zeroserve_args.split(), env
     if name.startswith("vllm"):
         py, _ = peer_python("vllm", a.peers_dir)
@@ -181,7 +181,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
 
     gguf = a.model or installed_real_model()
     if gguf is None:

@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     set_threads(a.threads)
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
     from zeroserve import LLM, SamplingParams
 
     model = a.model or installed_real_model()

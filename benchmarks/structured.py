@@ -72,9 +72,9 @@ async def run_phase(address: str, n: int, constrained: bool, lengths: list[int] 
 
 
 def launch(model: str, args):
-    from common.transport import free_port_block
-    from services.cli import build_parser
-    from services.launcher import plan_children, wait_ready
+    from zeroserve.common.transport import free_port_block
+    from zeroserve.services.cli import build_parser
+    from zeroserve.services.launcher import plan_children, wait_ready
 
     port = free_port_block(4)
     up = build_parser().parse_args(["up", "--model", model, "--port", str(port), "--workers", "1", "--no-gateway",
@@ -109,8 +109,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=2, help="pairs of (constrained, free) phases, in alternating order")
     a = ap.parse_args()
-    from services.launcher import stop_children
-    from services.tiny_model import default_model_dir, installed_real_model
+    from zeroserve.services.launcher import stop_children
+    from zeroserve.services.tiny_model import default_model_dir, installed_real_model
 
     model = a.model
     if model == "smollm2":
@@ -125,7 +125,7 @@ def main() -> None:
     children, address = launch(model, a)
     try:
         # warm-up: the scheduler's tokenizer and the grammar compiler's tokenizer preparation
-        from common.errors import InvalidRequest
+        from zeroserve.common.errors import InvalidRequest
 
         try:
             asyncio.run(run_phase(address, 2, True, None, 8))

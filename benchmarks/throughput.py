@@ -6,7 +6,7 @@
 
 Workload (benchmarks.common.make_workload): seeded requests, prompt lengths ~ U[16, max_prompt]
 as token-id lists, output lengths ~ U[16, max_output], greedy, ignore_eos, on the ~30M-param
-Llama-shaped random-weight model (services.tiny_model size "bench", fp32, cached on disk).
+Llama-shaped random-weight model (zeroserve.services.tiny_model size "bench", fp32, cached on disk).
 
 - zeroserve: `LLM(model).generate(all prompts, one SamplingParams per request)` (continuous
   batching, paged KV cache), default engine args.

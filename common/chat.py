@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common.errors import InvalidRequest, ModelLoadError
+from zeroserve.common.errors import InvalidRequest, ModelLoadError
 
 MAX_MESSAGES = 4096
 

@@ -34,9 +34,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from common.errors import InvalidRequest
-from common.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
-from common.schema import ARRAY_TYPES
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from zeroserve.common.schema import ARRAY_TYPES
 
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024  # bytes, all frames together
 INLINE_ARRAY_MAX_BYTES = 16 * 1024  # bigger arrays travel as frames of their own

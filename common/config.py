@@ -27,7 +27,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from common.errors import InvalidRequest
+from zeroserve.common.errors import InvalidRequest
 
 # auto = triton on CUDA, cpu elsewhere; cpu = the torch twins plus compiled CPU kernels where
 # they build (kernels/cpu_ops.py); torch = the twins alone (the reference)

@@ -25,7 +25,7 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from common.errors import CurveKeyError
+from zeroserve.common.errors import CurveKeyError
 
 # --------------------------------------------------------------------------------------------
 # CURVE

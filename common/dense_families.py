@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.errors import ModelLoadError
+from zeroserve.common.errors import ModelLoadError
 
 # architecture name -> family
 DENSE_ARCHITECTURES: dict[str, str] = {

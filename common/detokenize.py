@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.sampling_params import SamplingParams
+from zeroserve.common.sampling_params import SamplingParams
 
 __all__ = ["IncrementalDetokenizer", "DetokenizerDelta"]
 

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from common.errors import ModelLoadError
-from common.sampling_params import defaults_from_gguf
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.sampling_params import defaults_from_gguf
 
 # general.architecture -> architecture name our model code knows (Mistral GGUFs say "llama")
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -171,7 +171,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 
 def config_from_gguf(path: str | os.PathLike):
     """ModelConfig for one .gguf file (name = the file stem, model_dir = the file)."""
-    from common.model_config import ModelConfig
+    from zeroserve.common.model_config import ModelConfig
 
     path = Path(path)
     gf = open_gguf(path)

@@ -5,7 +5,7 @@ gateway and detokenizer seconds of CPU at start, taken from the worker on a smal
 The tokenizer built equals the one transformers builds from the same file (`gguf_file=`; checked
 id for id in tests/test_tokenizer.py): byte-level BPE (`tokenizer.ggml.model` "gpt2", with the
 split regex `tokenizer.ggml.pre` names) and sentencepiece BPE ("llama", byte fallback, "▁" for
-spaces). Other kinds raise `Unsupported`; `common.tokenizer` then falls back to transformers.
+spaces). Other kinds raise `Unsupported`; `zeroserve.common.tokenizer` then falls back to transformers.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import struct
 from typing import Any
 
-from common.errors import ModelLoadError
+from zeroserve.common.errors import ModelLoadError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
@@ -37,8 +37,8 @@ class Unsupported(ModelLoadError):
 
 def read_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Every `tokenizer.*` and `general.architecture` key of the file, long arrays in full
-    (common.gguf_config keeps only their lengths, which is all the model config needs)."""
-    from common import gguf_config as g
+    (zeroserve.common.gguf_config keeps only their lengths, which is all the model config needs)."""
+    from zeroserve.common import gguf_config as g
 
     gf = g.open_gguf(path)
     meta = {k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
@@ -56,7 +56,7 @@ def read_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _read_array(buf, pos: int) -> tuple[list, int]:
-    from common import gguf_config as g
+    from zeroserve.common import gguf_config as g
 
     etype, count = struct.unpack_from("<IQ", buf, pos)
     pos += 12

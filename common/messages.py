@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
-from common.schema import (  # noqa: F401 - the field types are part of the message catalogue
+from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
+from zeroserve.common.schema import (  # noqa: F401 - the field types are part of the message catalogue
     ARRAY_TYPES,
     F32,
     F32_2D,
@@ -210,7 +210,7 @@ class Error(Message):
         return cls(request_id=request_id, code=getattr(exc, "code", "internal"), message=str(exc))
 
     def to_exception(self) -> Exception:
-        from common.errors import error_from_code
+        from zeroserve.common.errors import error_from_code
 
         return error_from_code(self.code, self.message)
 

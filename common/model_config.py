@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.dense_families import DENSE_ARCHITECTURES, FULL, SLIDING, family_fields, gemma3_rope, layer_types
-from common.errors import ModelLoadError
-from common.sampling_params import check_defaults, defaults_from_generation_config
+from zeroserve.common.dense_families import DENSE_ARCHITECTURES, FULL, SLIDING, family_fields, gemma3_rope, layer_types
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.sampling_params import check_defaults, defaults_from_generation_config
 
 # architecture name in config.json -> family our model code uses
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -170,7 +170,7 @@ class ModelConfig:
         one .gguf file, is read by common/gguf_config.py instead."""
         kind, path = resolve_model_path(model_dir)
         if kind == "gguf":
-            from common.gguf_config import (
+            from zeroserve.common.gguf_config import (
                 config_from_gguf,  # lazy: it imports this module
             )
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from common.errors import InvalidRequest, ModelLoadError
+from zeroserve.common.errors import InvalidRequest, ModelLoadError
 
 _GREEDY_EPS = 1e-5
 INT32_MAX = 2**31 - 1  # token counts, ids and top_k travel as int32 further down the line

@@ -51,7 +51,7 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # tokens, blocks, inde
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # step sequence numbers, seeds
 Role = Literal["worker", "detokenizer"]
 FinishReason = Literal["stop", "length", "abort"]
-ErrorCode = Annotated[str, msgspec.Meta(max_length=64)]  # a common.errors code
+ErrorCode = Annotated[str, msgspec.Meta(max_length=64)]  # a zeroserve.common.errors code
 Stats = dict[Annotated[str, msgspec.Meta(max_length=256)], int | float]  # flat figures
 MAX_JSON_DEPTH = 32
 

@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from common.errors import ModelLoadError
-from common.model_config import resolve_model_path
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.model_config import resolve_model_path
 
 NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -57,12 +57,12 @@ def load_tokenizer(model_dir: str | os.PathLike, **kwargs: Any) -> "FastTokenize
 
 
 def _load_gguf_tokenizer(path: Path) -> "FastTokenizer":
-    from common.gguf_tokenizer import Unsupported, build_gguf_tokenizer
+    from zeroserve.common.gguf_tokenizer import Unsupported, build_gguf_tokenizer
 
     try:
         backend, cfg = build_gguf_tokenizer(path)
     except Unsupported as e:
-        from common.log import get_logger
+        from zeroserve.common.log import get_logger
 
         get_logger("tokenizer").warning("building this GGUF tokenizer through transformers (imports torch)",
                                         reason=str(e), path=str(path))
@@ -98,7 +98,7 @@ def _transformers_gguf_tokenizer(path: Path) -> "FastTokenizer":
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise ModelLoadError(f"cannot build a tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from None
     cfg = dict(tok.special_tokens_map)
-    from common.gguf_config import gguf_chat_template
+    from zeroserve.common.gguf_config import gguf_chat_template
 
     cfg["chat_template"] = getattr(tok, "chat_template", None) or gguf_chat_template(path)
     return FastTokenizer(path, backend=tok.backend_tokenizer, config=cfg)
@@ -231,8 +231,8 @@ class FastTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             chat_template: str | None = None, tokenize: bool = False,
                             add_generation_prompt: bool = False, **kwargs: Any):
-        """transformers' apply_chat_template for one conversation (common.chat renders it)."""
-        from common.chat import render_chat
+        """transformers' apply_chat_template for one conversation (zeroserve.common.chat renders it)."""
+        from zeroserve.common.chat import render_chat
 
         template = chat_template or self.chat_template
         if isinstance(template, dict):  # named templates: "tool_use" when tools are given

@@ -20,9 +20,9 @@ import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.errors import InvalidRequest
-from common.sampling_params import StructuredOutputsParams
-from common.tool_parsers import check_calls, get_parser
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.sampling_params import StructuredOutputsParams
+from zeroserve.common.tool_parsers import check_calls, get_parser
 
 MAX_TOOLS = 128
 # `required` with parallel calls: at most this many in one answer. An unbounded array lets a model
@@ -124,7 +124,7 @@ def constrained_params(params: Any, spec: ToolSpec | None) -> Any:
     so = tool_constraint(spec)
     if so is None:
         return params
-    from common.sampling_params import SamplingParams
+    from zeroserve.common.sampling_params import SamplingParams
 
     if params is None:
         return {"structured_outputs": so}

@@ -15,7 +15,7 @@
   binds an ephemeral port on 127.0.0.1 and returns the address. Bind elsewhere only when
   told to (and then use CURVE).
 * ``Channel``: a socket plus the codec; send, try_send (never blocks), recv, and dispatch by
-  message type. Every process uses it (the asyncio client encodes with ``common.codec`` itself).
+  message type. Every process uses it (the asyncio client encodes with ``zeroserve.common.codec`` itself).
 * CURVE keys and the allow-list live in ``common/curve.py``; ``make_socket`` takes key files.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from common.codec import MAX_MESSAGE_SIZE, ProtocolError, decode, encode
-from common.curve import curve_client, curve_server
-from common.errors import InvalidRequest
+from zeroserve.common.codec import MAX_MESSAGE_SIZE, ProtocolError, decode, encode
+from zeroserve.common.curve import curve_client, curve_server
+from zeroserve.common.errors import InvalidRequest
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_HWM", "Channel", "bind_free_port", "close_all", "free_port",
            "free_port_block", "is_loopback", "make_context", "make_socket", "tcp_addr"]

@@ -1,6 +1,6 @@
 """The @triton.jit kernels behind kernels/triton_ops.py.
 
-Imported lazily by triton_ops (so `import kernels.triton_ops` works without triton or a GPU).
+Imported lazily by triton_ops (so `import zeroserve.kernels.triton_ops` works without triton or a GPU).
 Under TRITON_INTERPRET=1 (set before this module is imported) they run on CPU tensors.
 
 Conventions: the last dim of every tensor is contiguous (stride 1); other strides are passed

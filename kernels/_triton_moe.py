@@ -1,7 +1,7 @@
 """The @triton.jit grouped GEMM behind kernels/moe.py's fused_moe_triton (imported lazily).
 
 One program computes a BLOCK_M x BLOCK_N tile of `out` for one tile of expert-sorted slots:
-all BLOCK_M rows of a tile belong to the same expert (kernels.moe.align_block_size), so the
+all BLOCK_M rows of a tile belong to the same expert (zeroserve.kernels.moe.align_block_size), so the
 tile is a plain GEMM against that expert's weight [N, K], as in vLLM's fused_moe. Rows holding
 the padding sentinel (slot >= num_slots) are masked; tiles with expert -1 return at once.
 """

@@ -96,7 +96,7 @@ def attach(model: torch.nn.Module, min_rows: int = DEFAULT_MIN_ROWS) -> int:
     """Give every linear of `model` (QuantizableWeight modules: attention, MLP, LM head; the
     embedding's copy serves a tied LM head) a bf16 panel used from `min_rows` rows on. Returns
     the panels' bytes. Idempotent: a second call only changes `min_rows`."""
-    from services.worker.model.layers import QuantizableWeight, VocabParallelEmbedding
+    from zeroserve.services.worker.model.layers import QuantizableWeight, VocabParallelEmbedding
 
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from common.log import get_logger
+from zeroserve.common.log import get_logger
 
-log = get_logger("kernels.cpu_native")
+log = get_logger("zeroserve.kernels.cpu_native")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.c"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import AttentionMetadata, cpu_native, torch_ops
+from zeroserve.kernels.metadata import AttentionMetadata
+from zeroserve.kernels import cpu_native, torch_ops
 
 __all__ = list(torch_ops.__all__)  # the same op set
 
@@ -141,4 +142,4 @@ def paged_attention(
                                      sliding_window=sliding_window, softcap=softcap)
 
 
-from kernels.moe import fused_moe  # noqa: E402,F401 (per active expert: torch GEMMs)
+from zeroserve.kernels.moe import fused_moe  # noqa: E402,F401 (per active expert: torch GEMMs)

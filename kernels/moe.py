@@ -115,7 +115,7 @@ def align_block_size(ids: torch.Tensor, num_local: int, block_m: int, expert_sta
 
 def _grouped_gemm(a, w, out, sorted_slots, tile_expert, weights, top_k, mul_weight, block_m):
     """out[slot] = (a[slot // top_k] @ w[e].T) (* weights[slot]) for every slot of every tile."""
-    from kernels import _triton_moe as K
+    from zeroserve.kernels import _triton_moe as K
 
     n_out, kdim = w.shape[1], w.shape[2]
     block_n = 64 if n_out >= 64 else 32 if n_out >= 32 else 16
@@ -133,7 +133,7 @@ def _grouped_gemm(a, w, out, sorted_slots, tile_expert, weights, top_k, mul_weig
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor, expert_start: int = 0, block_m: int = 16) -> torch.Tensor:
     """fused_moe on the GPU (or under TRITON_INTERPRET=1): two grouped-GEMM launches."""
-    from kernels import triton_ops
+    from zeroserve.kernels import triton_ops
 
     t, h = x.shape
     k = ids.shape[1]

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from zeroserve.kernels import cpu_native
 
 # format -> (kernel id, elements per block, bytes per block); int formats: bytes per 32 values
 _FORMATS = {

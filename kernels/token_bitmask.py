@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import cpu_native
+from zeroserve.kernels import cpu_native
 
 __all__ = ["apply_token_bitmask_", "apply_token_bitmask_torch_", "unpack_bitmask"]
 

@@ -11,7 +11,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata
+from zeroserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "fused_add_rms_norm",
@@ -387,4 +387,4 @@ def _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl, sel, qmax
     out[src[valid]] = res[valid].to(q.dtype)
 
 
-from kernels.moe import fused_moe  # noqa: E402,F401 (the MoE twin lives beside its Triton launch)
+from zeroserve.kernels.moe import fused_moe  # noqa: E402,F401 (the MoE twin lives beside its Triton launch)

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels import AttentionMetadata
+from zeroserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "fused_add_rms_norm",
@@ -39,7 +39,7 @@ _NO_SPLIT_LEN = 1 << 30  # split length when not splitting (one value: one compi
 
 @lru_cache(maxsize=1)
 def _k():
-    from kernels import _triton_kernels
+    from zeroserve.kernels import _triton_kernels
 
     return _triton_kernels
 
@@ -91,7 +91,7 @@ def fused_add_rms_norm(
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU (Gemma): the torch twin on the tensor's device (no Triton kernel yet)."""
-    from kernels import torch_ops
+    from zeroserve.kernels import torch_ops
 
     return torch_ops.gelu_tanh_and_mul(x)
 
@@ -327,4 +327,4 @@ def paged_attention_impl(
     return out
 
 
-from kernels.moe import fused_moe_triton as fused_moe  # noqa: E402,F401 (grouped GEMM: kernels/moe.py)
+from zeroserve.kernels.moe import fused_moe_triton as fused_moe  # noqa: E402,F401 (grouped GEMM: kernels/moe.py)

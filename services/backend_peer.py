@@ -36,11 +36,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common import messages as P
-from common.codec import ProtocolError
-from common.curve import CurveClientKeys
-from common.log import get_logger
-from common.transport import Channel, make_socket
+from zeroserve.common import messages as P
+from zeroserve.common.codec import ProtocolError
+from zeroserve.common.curve import CurveClientKeys
+from zeroserve.common.log import get_logger
+from zeroserve.common.transport import Channel, make_socket
 
 log = get_logger("backend_peer")
 

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from common.config import (
+from zeroserve.common.config import (
     WORKER_ENGINE_KNOBS,
     ChatArgs,
     ClientArgs,
@@ -106,12 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     pm = sub.add_parser("prepare-model", help="check a model (HF directory or .gguf file) where the processes will "
                                               "read it, copying it there first with --source; creates the built-in one")
-    from services.prepare_model import add_cli_args as add_prepare_model_args
+    from zeroserve.services.prepare_model import add_cli_args as add_prepare_model_args
 
     add_prepare_model_args(pm)
 
     tm = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")
-    from services.tiny_model import add_cli_args as add_tiny_model_args
+    from zeroserve.services.tiny_model import add_cli_args as add_tiny_model_args
 
     add_tiny_model_args(tm)
     return ap
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _status(args) -> int:
     from zeroserve import Client
-    from common.errors import ZeroserveError
+    from zeroserve.common.errors import ZeroserveError
 
     try:
         with Client(args.address, timeout_s=args.timeout, curve_keys=args.curve_keys,
@@ -159,7 +159,7 @@ def _status(args) -> int:
 
 def _generate(args) -> int:
     from zeroserve import Client, SamplingParams
-    from common.errors import ZeroserveError
+    from zeroserve.common.errors import ZeroserveError
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
@@ -182,7 +182,7 @@ def _generate(args) -> int:
 
 def _chat(args, inp=input, out=sys.stdout) -> int:
     """`zeroserve chat`: read a turn, stream the answer, keep the history."""
-    from common.errors import ZeroserveError
+    from zeroserve.common.errors import ZeroserveError
     from zeroserve import Client, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -218,7 +218,7 @@ def _chat(args, inp=input, out=sys.stdout) -> int:
 
 def _keys(args) -> int:
     """`zeroserve keys DIR`: make or complete a CURVE key directory and say which file goes where."""
-    from common.curve import CURVE_ROLES, ROLE_DIRS, create_curve_keys
+    from zeroserve.common.curve import CURVE_ROLES, ROLE_DIRS, create_curve_keys
 
     kd = create_curve_keys(args.dir, args.client, workers=args.worker, detokenizers=args.detokenizer)
     d = kd.directory
@@ -285,7 +285,7 @@ def _batch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.errors import CurveKeyError, InvalidRequest, ModelLoadError
+    from zeroserve.common.errors import CurveKeyError, InvalidRequest, ModelLoadError
 
     args = build_parser().parse_args(argv)
     if args.log_json:
@@ -302,28 +302,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     if args.cmd == "up":
-        from services.launcher import main as up_main
+        from zeroserve.services.launcher import main as up_main
 
         return up_main(args)
     if args.cmd == "scheduler":
-        from services.scheduler.service import main as sched_main
-        from services.tiny_model import default_model_dir
+        from zeroserve.services.scheduler.service import main as sched_main
+        from zeroserve.services.tiny_model import default_model_dir
 
         args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
         return sched_main(args)
     if args.cmd == "worker":
-        from services.worker.threads import configure
+        from zeroserve.services.worker.threads import configure
 
         configure(args.threads)  # before torch loads: OpenMP reads its environment once
-        from services.worker.service import main as worker_main
+        from zeroserve.services.worker.service import main as worker_main
 
         return worker_main(args)
     if args.cmd == "gateway":
-        from services.gateway.service import main as gateway_main
+        from zeroserve.services.gateway.service import main as gateway_main
 
         return gateway_main(args)
     if args.cmd == "detokenizer":
-        from services.detokenizer.service import main as detok_main
+        from zeroserve.services.detokenizer.service import main as detok_main
 
         return detok_main(args)
     if args.cmd == "status":
@@ -337,11 +337,11 @@ def _run(args) -> int:
     if args.cmd == "keys":
         return _keys(args)
     if args.cmd == "prepare-model":
-        from services.prepare_model import run_cli as prepare_model
+        from zeroserve.services.prepare_model import run_cli as prepare_model
 
         return prepare_model(args)
     if args.cmd == "make-tiny-model":
-        from services.tiny_model import run_cli
+        from zeroserve.services.tiny_model import run_cli
 
         return run_cli(args)
     return 2

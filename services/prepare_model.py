@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from common.errors import ModelLoadError
+from zeroserve.common.errors import ModelLoadError
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
@@ -77,8 +77,8 @@ def copy_model(src: Path, dest: Path) -> bool:
 def check_model(path: Path):
     """The ModelConfig the processes will build from `path`, and its tokenizer (both raise a
     ModelLoadError that names what is missing)."""
-    from common.model_config import ModelConfig
-    from common.tokenizer import load_tokenizer
+    from zeroserve.common.model_config import ModelConfig
+    from zeroserve.common.tokenizer import load_tokenizer
 
     if not path.exists():
         raise ModelLoadError(f"model {str(path)!r} does not exist: mount your model (an HF directory or a .gguf "
@@ -89,7 +89,7 @@ def check_model(path: Path):
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from services.tiny_model import default_model_dir
+    from zeroserve.services.tiny_model import default_model_dir
 
     default = _cache_root() / "default-model"
     model = Path(args.model) if args.model else None

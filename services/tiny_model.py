@@ -421,7 +421,7 @@ def default_model_dir() -> Path:
     root = Path(os.environ.get("ZEROSERVE_CACHE", Path.home() / ".cache" / "zeroserve"))
     path = root / "default-model"
     if not (path / "config.json").exists():
-        from common.log import get_logger
+        from zeroserve.common.log import get_logger
 
         get_logger(__name__).info("creating the built-in default model (random weights: its output is random "
                                   "text)", path=str(path))

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from common.transport import free_port_block
-from services.launcher import Child, stop_children
+from zeroserve.common.transport import free_port_block
+from zeroserve.services.launcher import Child, stop_children
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ class LocalCluster:
 
     # ---- processes ------------------------------------------------------------------------
     def _cmd(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli", *args]
+        return [sys.executable, "-m", "zeroserve.services.cli", *args]
 
     def _start(self, name: str, argv: list[str], role: str = "worker") -> Child:
         log = open(self.logdir / f"{name}.log", "ab")
@@ -125,7 +125,7 @@ class LocalCluster:
         child = Child(name, argv, role=role, env={"PYTHONPATH": str(REPO), "ZEROSERVE_LOG_LEVEL": "info",
                                                   "PYTHONUNBUFFERED": "1", SESSION_ENV: SESSION_TAG})
         env = dict(os.environ, **child.env)
-        from services.launcher import _die_with_parent
+        from zeroserve.services.launcher import _die_with_parent
 
         child.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                       preexec_fn=_die_with_parent)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import AttentionMetadata
+from zeroserve.kernels.metadata import AttentionMetadata
 
 _CACHE_ROOT: Path | None = None
 
@@ -46,7 +46,7 @@ def make_model_dir(path: str | Path, arch: str = "llama", size: str = "tiny", se
                    shards: int = 1, **overrides: Any) -> Path:
     """Write a tiny random HF model dir at `path` (a subfolder named after the arch when `path`
     already exists and is not empty)."""
-    from services.tiny_model import make_tiny_model
+    from zeroserve.services.tiny_model import make_tiny_model
 
     path = Path(path)
     if path.exists() and any(path.iterdir()):
@@ -64,7 +64,7 @@ def cached_model_dir(arch: str = "llama", size: str = "tiny", seed: int = 0, sha
     key = json.dumps([arch, size, seed, shards, overrides], sort_keys=True, default=str)
     d = _CACHE_ROOT / hashlib.sha1(key.encode()).hexdigest()[:16]
     if not (d / "config.json").is_file():
-        from services.tiny_model import make_tiny_model
+        from zeroserve.services.tiny_model import make_tiny_model
 
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,9 +76,9 @@ def cached_model_dir(arch: str = "llama", size: str = "tiny", seed: int = 0, sha
 def load_our_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                    backend: str = "torch", **tp: Any):
     """(ModelConfig, our model) for a model dir."""
-    from common.model_config import ModelConfig
-    from kernels import get_ops
-    from services.worker.model import load_model
+    from zeroserve.common.model_config import ModelConfig
+    from zeroserve.kernels.dispatch import get_ops
+    from zeroserve.services.worker.model import load_model
 
     cfg = ModelConfig.from_dir(model_dir)
     return cfg, load_model(cfg, device, dtype, get_ops(backend, device), **tp)

@@ -2,7 +2,7 @@
 
     with NetnsHosts(["sched", "tpa", "tpb"]) as hosts:      # skips the test where it cannot
         hosts.addr("sched")                                   # 10.N.0.2
-        hosts.start("sched", "scheduler", [...])              # `python -m services.cli ...` there
+        hosts.start("sched", "scheduler", [...])              # `python -m zeroserve.services.cli ...` there
         hosts.link_down("tpb"); hosts.link_up("tpb")          # a partition, healed
 
 Every host is a namespace with `lo` and `eth0` (10.N.0.x/24), wired by a veth pair to one
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import _die_with_parent
+from zeroserve.services.launcher import _die_with_parent
 from tests.cluster import SESSION_ENV, SESSION_TAG
 
 REPO = Path(__file__).resolve().parents[1]

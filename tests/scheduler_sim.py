@@ -12,13 +12,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from common import messages as P
-from common.config import SchedulerConfig
-from common.model_config import ModelConfig
-from common.sampling_params import SamplingParams
-from services.scheduler.cluster import Cluster, ModelInfo
-from services.scheduler.groups import GroupState
-from services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
+from zeroserve.common import messages as P
+from zeroserve.common.config import SchedulerConfig
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.services.scheduler.cluster import Cluster, ModelInfo
+from zeroserve.services.scheduler.groups import GroupState
+from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
 
 MODEL = "tiny-test"
 VOCAB = 512

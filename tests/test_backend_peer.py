@@ -14,10 +14,10 @@ import time
 import pytest
 import zmq
 
-from common import messages as P
-from common.transport import Channel, bind_free_port, make_socket
-from services import backend_peer as bp
-from services.backend_peer import BackendPeer, Refused
+from zeroserve.common import messages as P
+from zeroserve.common.transport import Channel, bind_free_port, make_socket
+from zeroserve.services import backend_peer as bp
+from zeroserve.services.backend_peer import BackendPeer, Refused
 
 HB = 0.05  # heartbeat interval: the stale window is 3 of them
 

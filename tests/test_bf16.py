@@ -14,13 +14,13 @@ import types
 import pytest
 import torch
 
-from common.errors import ModelLoadError
-from kernels import bf16, cpu_native
-from kernels import torch_ops
-from kernels.quant import quantize_int4
-from services.worker import matmul_probe
-from services.worker.dtype import resolve_kv_dtype
-from services.worker.model.layers import ColumnParallelLinear, TPInfo
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.kernels import bf16, cpu_native
+from zeroserve.kernels import torch_ops
+from zeroserve.kernels.quant import quantize_int4
+from zeroserve.services.worker import matmul_probe
+from zeroserve.services.worker.dtype import resolve_kv_dtype
+from zeroserve.services.worker.model.layers import ColumnParallelLinear, TPInfo
 from tests.hf_reference import model_dir
 from tests.test_quant_model import REAL, needs_real
 from zeroserve import LLM, SamplingParams
@@ -86,7 +86,7 @@ def test_bf16_kv_cache_reads_as_its_rounded_fp32_values():
     torch_ops.write_kv(k, v, *caches[torch.bfloat16], slots)
     torch_ops.write_kv(k.bfloat16().float(), v.bfloat16().float(), *caches[torch.float32], slots)
     assert torch.equal(caches[torch.bfloat16][0].float(), caches[torch.float32][0])
-    from kernels import AttentionMetadata
+    from zeroserve.kernels.metadata import AttentionMetadata
 
     meta = AttentionMetadata(slot_mapping=slots, block_tables=torch.arange(3, dtype=torch.int32).view(1, 3),
                              seq_lens=torch.tensor([t], dtype=torch.int32),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.chat import chat_prompt, check_messages, load_chat_template
-from common.errors import InvalidRequest, ModelLoadError
-from common.sampling_params import SamplingParams
+from zeroserve.common.chat import chat_prompt, check_messages, load_chat_template
+from zeroserve.common.errors import InvalidRequest, ModelLoadError
+from zeroserve.common.sampling_params import SamplingParams
 from helpers import cached_model_dir
 from test_gguf import REAL, needs_real
 from zeroserve import LLM
@@ -114,7 +114,7 @@ def test_zeroserve_chat_repl_keeps_the_history(real_cluster):
     import argparse
     import io
 
-    from services.cli import _chat
+    from zeroserve.services.cli import _chat
 
     turns = iter(["What is the capital of France?", "", "And of Italy?"])
 

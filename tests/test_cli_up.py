@@ -1,4 +1,4 @@
-"""`zeroserve up` as a user runs it: `python -m services.cli up ...` in a subprocess.
+"""`zeroserve up` as a user runs it: `python -m zeroserve.services.cli up ...` in a subprocess.
 
 The launchers of the selected tests start together at the beginning of the module (their
 start-ups overlap, which saves a minute or two on a busy 2-core box):
@@ -37,11 +37,11 @@ from tests.helpers import cached_model_dir
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 READY_TIMEOUT_S = 360.0  # three launchers start at once on a shared 2-core box
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "zeroserve.services.cli"]
 
 
 def _die_with_parent() -> None:
-    from services.launcher import _die_with_parent as die
+    from zeroserve.services.launcher import _die_with_parent as die
 
     die()
 
@@ -350,7 +350,7 @@ def test_a_child_that_dies_while_the_gateway_starts_is_restarted():
     """`up` supervises from the moment the cluster is ready, not from the gateway's ready line:
     a scheduler killed while the gateway still starts comes back (once CI's slow gateway start
     left it dead, and every client waited out its timeout)."""
-    from services.launcher import Child, _wait_port, supervise
+    from zeroserve.services.launcher import Child, _wait_port, supervise
 
     dies = Child("scheduler", [sys.executable, "-c", "pass"], role="scheduler")
     gateway = Child("gateway", [sys.executable, "-c", "import time; time.sleep(30)"], role="gateway")

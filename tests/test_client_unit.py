@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import zmq
 
-from common import messages as P
-from common import codec
-from common.errors import ClusterUnavailable, InvalidRequest, ModelLoadError, Overloaded, RequestTimeout, ZeroserveError
-from common.outputs import Logprob
-from common.sampling_params import SamplingParams
-from common.transport import bind_free_port, free_port, make_socket
+from zeroserve.common import messages as P
+from zeroserve.common import codec
+from zeroserve.common.errors import ClusterUnavailable, InvalidRequest, ModelLoadError, Overloaded, RequestTimeout, ZeroserveError
+from zeroserve.common.outputs import Logprob
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.common.transport import bind_free_port, free_port, make_socket
 from zeroserve import AsyncClient, Client
 from zeroserve.client import StreamDelta
 
@@ -437,7 +437,7 @@ async def test_stream_error_after_some_deltas(peers):
 
 def test_split_prompt_forms_agree():
     """The list fast path and the general path give the same ids and the same refusals."""
-    from services.scheduler.admission import split_prompt
+    from zeroserve.services.scheduler.admission import split_prompt
 
     ids = [0, 5, 2**31 - 1]
     for form in (ids, tuple(ids), np.array(ids, np.int64), {"prompt_token_ids": ids}):

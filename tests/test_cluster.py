@@ -205,7 +205,7 @@ def test_64_concurrent_streams_match_hf_greedy(streamed, workload, ready):
 
 @pytest.mark.timeout(300)
 def test_stream_deltas_join_to_the_final_text_and_equal_generate(streamed, workload, ready):
-    from common.tokenizer import load_tokenizer
+    from zeroserve.common.tokenizer import load_tokenizer
 
     results, _ = streamed
     prompts, ns, _ = workload

@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import codec
-from common import messages as P
-from common.sampling_params import SamplingParams
+from zeroserve.common import codec
+from zeroserve.common import messages as P
+from zeroserve.common.sampling_params import SamplingParams
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir, greedy_jobs, stream_jobs, torch_single_thread  # noqa: F401 (fixture)
 

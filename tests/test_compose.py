@@ -3,7 +3,7 @@
 The static tests parse compose/docker-compose.yml (and the GPU override, the Dockerfile, the
 .env.example) and check their structure. The stack test then runs each service exactly as
 Compose would start it, as local processes: the service's entrypoint and command (the image's
-ENTRYPOINT `zeroserve` becomes `python -m services.cli`), the image's ENV plus the service's
+ENTRYPOINT `zeroserve` becomes `python -m zeroserve.services.cli`), the image's ENV plus the service's
 `environment`, `${VAR:-default}` interpolation done here, the service hostnames and the bind host
 mapped to 127.0.0.1, the container ports remapped to a block of free loopback ports, and the
 `models` volume mapped to a temporary directory. It starts services in `depends_on` order,
@@ -32,8 +32,8 @@ import psutil
 import pytest
 import yaml
 
-from common.transport import free_port_block
-from services.launcher import _die_with_parent
+from zeroserve.common.transport import free_port_block
+from zeroserve.services.launcher import _die_with_parent
 from tests.cluster import SESSION_ENV, SESSION_TAG, no_leftover_processes  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -309,7 +309,7 @@ def test_monitoring_override():
 
 def test_commands_parse_with_the_cli():
     """Every zeroserve command line in the compose file (services and healthchecks) is valid."""
-    from services.cli import build_parser
+    from zeroserve.services.cli import build_parser
 
     image = dockerfile()
     seen = 0
@@ -440,7 +440,7 @@ class Mapper:
             prev = str(a)
         exe, rest = out[0], out[1:]
         if exe == "zeroserve":
-            return [sys.executable, "-m", "services.cli", *rest]
+            return [sys.executable, "-m", "zeroserve.services.cli", *rest]
         if exe in ("python", "python3"):
             return [sys.executable, *rest]
         raise AssertionError(f"no local equivalent for {exe!r}")
@@ -617,11 +617,11 @@ def test_compose_stack_runs_as_local_processes():
     try:
         # what Compose would run, after the mapping
         wargv = stack.argv("worker")
-        assert wargv[:4] == [sys.executable, "-m", "services.cli", "worker"]
+        assert wargv[:4] == [sys.executable, "-m", "zeroserve.services.cli", "worker"]
         assert stack.env("worker")["ZEROSERVE_THREADS"] == "1"  # interpolated from TEST_VARS
         from unittest import mock
 
-        from services.cli import build_parser
+        from zeroserve.services.cli import build_parser
 
         with mock.patch.dict(os.environ, stack.env("worker"), clear=True):  # what the worker's CLI makes of it
             wargs = build_parser().parse_args(wargv[3:])

@@ -30,7 +30,7 @@ COMPOSE_FILES = [BASE_FILE, GPU_FILE, MODEL_FILE, TP_FILE, TP_GPU_FILE, MONITORI
 
 
 def real_gguf() -> Path:
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
 
     path = installed_real_model()
     if path is None:
@@ -42,13 +42,13 @@ def prepare(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`zeroserve prepare-model` as model-init runs it (the image's ENTRYPOINT + the service's command)."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}
     e.update({"PYTHONPATH": str(REPO), "ZEROSERVE_CACHE": str(tmp / "models"), "HOME": str(tmp), **env})
-    return subprocess.run([sys.executable, "-m", "services.cli", "prepare-model", *args], cwd=REPO, env=e,
+    return subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "prepare-model", *args], cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
 # ---- item 1: model-init serves a GGUF (and an HF directory) ---------------------------------
 def test_model_init_runs_prepare_model():
-    from services.cli import build_parser
+    from zeroserve.services.cli import build_parser
 
     svc = load(BASE_FILE, {})["services"]["model-init"]
     assert "entrypoint" not in svc and svc["command"] == ["prepare-model"]  # the image's `zeroserve`
@@ -78,7 +78,7 @@ def test_prepare_model_gguf(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_prepare_model_hf_dir_and_errors(tmp_path):
-    from services.tiny_model import make_tiny_model
+    from zeroserve.services.tiny_model import make_tiny_model
 
     src = tmp_path / "src" / "tiny-llama"
     make_tiny_model(src, arch="llama", size="tiny", seed=0)
@@ -176,7 +176,7 @@ def test_compose_v1_reads_the_files(extra):
                     capture_output=True, check=False).returncode != 0, reason="no docker CLI with `stack config`")
 def test_docker_stack_reads_the_files(tmp_path):
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "services.cli", "keys", str(keys)], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "keys", str(keys)], cwd=REPO, check=True,
                    capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     sets = [[BASE_FILE], [BASE_FILE, *STACK_FILES, MODEL_FILE]]
     for files in sets:

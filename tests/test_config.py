@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import (
+from zeroserve.common.config import (
     WORKER_ENGINE_KNOBS,
     DetokenizerArgs,
     EngineArgs,
@@ -29,7 +29,7 @@ from common.config import (
     knobs,
     to_cli_args,
 )
-from services.cli import build_parser
+from zeroserve.services.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def test_a_bad_environment_value_names_the_variable(monkeypatch, capsys):
         build_parser().parse_args(["worker"])
     assert "$ZEROSERVE_BLOCK_SIZE" in capsys.readouterr().err
     monkeypatch.delenv("ZEROSERVE_BLOCK_SIZE")
-    from services.cli import main
+    from zeroserve.services.cli import main
 
     assert main(["batch", "-", "--block-size", "17"]) == 2  # the engine args refuse it, in words
     assert "block_size must be a multiple of 16" in capsys.readouterr().err
@@ -137,7 +137,7 @@ def test_to_cli_args_roundtrips():
 
 
 def test_up_children_get_ups_settings_whatever_their_environment(monkeypatch):
-    from services.launcher import plan_children
+    from zeroserve.services.launcher import plan_children
 
     up = build_parser().parse_args(["up", "--workers", "2", "--tp", "2", "--max-num-seqs", "5", "--no-prefix-caching",
                                     "--num-kv-blocks", "33", "--max-model-len", "300", "--step-timeout", "9",
@@ -163,9 +163,9 @@ def test_up_children_get_ups_settings_whatever_their_environment(monkeypatch):
 
 
 def test_scheduler_config_matches_the_schedulers_own():
-    """Until services/scheduler/service.py imports SchedulerConfig from common.config, both exist:
+    """Until services/scheduler/service.py imports SchedulerConfig from zeroserve.common.config, both exist:
     they must have the same fields and defaults."""
-    from services.scheduler import service
+    from zeroserve.services.scheduler import service
 
     if service.SchedulerConfig is SchedulerConfig:
         return
@@ -175,8 +175,8 @@ def test_scheduler_config_matches_the_schedulers_own():
     assert SchedulerConfig().__dict__ == {k: getattr(service.SchedulerConfig(), k) for k in ours}
 
 
-@pytest.mark.parametrize("module", ["common.config", "services.cli", "services.backend_peer",
-                                    "services.detokenizer.service"])
+@pytest.mark.parametrize("module", ["zeroserve.common.config", "zeroserve.services.cli", "zeroserve.services.backend_peer",
+                                    "zeroserve.services.detokenizer.service"])
 def test_starts_without_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -185,8 +185,8 @@ def test_starts_without_torch(module):
 
 
 def test_up_passes_the_gateway_its_nice_value():
-    from common.config import GatewayArgs
-    from services.launcher import plan_children
+    from zeroserve.common.config import GatewayArgs
+    from zeroserve.services.launcher import plan_children
 
     up = build_parser().parse_args(["up", "--gateway-nice", "4", "--gateway-port", "8100"])
     gw = plan_children(up, "/m", gateway=True)[-1]

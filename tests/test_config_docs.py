@@ -6,12 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import config
-from services import config_docs
+from zeroserve.common import config
+from zeroserve.services import config_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
-REGEN = "python -m services.config_docs > docs/configuration.md"
+REGEN = "python -m zeroserve.services.config_docs > docs/configuration.md"
 
 
 def test_committed_reference_matches_the_flags():
@@ -40,11 +40,11 @@ def test_reference_ignores_the_callers_environment(monkeypatch):
 def test_check_flag_reports_a_stale_file(tmp_path):
     stale = tmp_path / "configuration.md"
     stale.write_text(config_docs.render().replace("`--max-num-seqs`", "`--max-seqs`"), encoding="utf-8")
-    r = subprocess.run([sys.executable, "-m", "services.config_docs", "--check", str(stale)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.config_docs", "--check", str(stale)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "out of date" in r.stderr
     stale.write_text(config_docs.render(), encoding="utf-8")
-    r = subprocess.run([sys.executable, "-m", "services.config_docs", "--check", str(stale)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.config_docs", "--check", str(stale)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 

@@ -22,8 +22,8 @@ from html.parser import HTMLParser
 import httpx
 import pytest
 
-from common.transport import free_port_block
-from services.gateway.console import CSP
+from zeroserve.common.transport import free_port_block
+from zeroserve.services.gateway.console import CSP
 from tests.cluster import no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir
 from tests.test_cli_up import ROOT, Up, _common, _die_with_parent
@@ -36,7 +36,7 @@ STATIC = ROOT / "services" / "gateway" / "static"
 
 def _gateway(scheduler: str, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port_block(1)
-    p = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--scheduler", scheduler, "--port",
+    p = subprocess.Popen([sys.executable, "-m", "zeroserve.services.cli", "gateway", "--scheduler", scheduler, "--port",
                           str(port), *args], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          preexec_fn=_die_with_parent)  # noqa: PLW1509 (prctl + setpgrp only)
@@ -138,8 +138,8 @@ def test_static_files_are_small_and_fetch_nothing_from_outside():
 def test_up_prints_the_console_url_and_no_ui_reaches_the_gateway():
     from argparse import Namespace
 
-    from services.cli import build_parser
-    from services.launcher import plan_children
+    from zeroserve.services.cli import build_parser
+    from zeroserve.services.launcher import plan_children
 
     for flags, has in (([], False), (["--no-ui"], True)):
         args = build_parser().parse_args(["up", "--model", str(cached_model_dir("llama")), *flags])

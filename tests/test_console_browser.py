@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.tiny_model import installed_real_model
+from zeroserve.services.tiny_model import installed_real_model
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir
 from tests.test_gateway import start_gateway, wait_http

@@ -13,10 +13,11 @@ import copy
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from kernels import bf16, cpu_native, get_ops
-from services.worker.model import load_model
-from services.worker.model.cpu_step import CpuDecodeStep
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.kernels.dispatch import get_ops
+from zeroserve.kernels import bf16, cpu_native
+from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker.model.cpu_step import CpuDecodeStep
 from tests.helpers import PagedKV, cached_model_dir, random_prompt
 
 pytestmark = pytest.mark.skipif(

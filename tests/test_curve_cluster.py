@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.errors import ClusterUnavailable, CurveKeyError, ZeroserveError  # noqa: E402
-from common.curve import create_curve_keys, curve_client_keys, curve_server_keys, generate_keys  # noqa: E402
-from common.transport import free_port_block  # noqa: E402
+from zeroserve.common.errors import ClusterUnavailable, CurveKeyError, ZeroserveError  # noqa: E402
+from zeroserve.common.curve import create_curve_keys, curve_client_keys, curve_server_keys, generate_keys  # noqa: E402
+from zeroserve.common.transport import free_port_block  # noqa: E402
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: E402, F401 (fixture)
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: E402, F401 (fixture)
 
@@ -57,7 +57,7 @@ DEFAULT_FILES = {"server.key", "server.key_secret", "clients/client.key", "clien
 
 
 def test_keys_command_creates_layout_and_reruns_keep_keys(tmp_path, capsys):
-    from services.cli import main
+    from zeroserve.services.cli import main
 
     d = tmp_path / "keys"
     assert main(["keys", str(d)]) == 0
@@ -110,7 +110,7 @@ def test_keys_command_creates_layout_and_reruns_keep_keys(tmp_path, capsys):
 
 
 def test_keys_command_role_flags(tmp_path, capsys):
-    from services.cli import main
+    from zeroserve.services.cli import main
 
     d = tmp_path / "keys"
     # a fresh folder with some role flags: those names, and each role without a key yet gets its default
@@ -155,7 +155,7 @@ def _old_layout(d: Path, names=("client", "worker1"), revoked=("gone",)) -> None
 
 
 def test_old_layout_stops_the_scheduler_and_keys_migrates_it(tmp_path, capsys):
-    from services.cli import main
+    from zeroserve.services.cli import main
 
     d = tmp_path / "keys"
     _old_layout(d)
@@ -164,7 +164,7 @@ def test_old_layout_stops_the_scheduler_and_keys_migrates_it(tmp_path, capsys):
                                             rf"{d / 'allowed'}.*allowed/clients/.*Migrate with `zeroserve keys {d}`"):
         curve_server_keys(d)
     # `zeroserve up` checks the same at start: exit 2 with that message, before any child starts
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--curve-keys", str(d), "--port", "1",
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "up", "--curve-keys", str(d), "--port", "1",
                         "--model", str(cached_model_dir("llama"))], capture_output=True, text=True, timeout=60,
                        cwd=ROOT, check=False)
     assert r.returncode == 2 and "old CURVE key layout" in r.stderr and "zeroserve keys" in r.stderr, r
@@ -266,7 +266,7 @@ def test_loaders_name_the_missing_file_and_the_command(tmp_path):
 
 
 def test_cli_reports_a_missing_key_file(tmp_path, capsys):
-    from services.cli import main
+    from zeroserve.services.cli import main
 
     d = tmp_path / "keys"
     create_curve_keys(d)
@@ -276,8 +276,8 @@ def test_cli_reports_a_missing_key_file(tmp_path, capsys):
 
 
 def test_up_passes_the_key_directory_to_every_child(tmp_path):
-    from services.cli import build_parser
-    from services.launcher import plan_children
+    from zeroserve.services.cli import build_parser
+    from zeroserve.services.launcher import plan_children
 
     args = build_parser().parse_args(["up", "--workers", "2", "--tp", "2", "--curve-keys", str(tmp_path / "k")])
     children = plan_children(args, "/m")
@@ -295,7 +295,7 @@ def test_up_checks_every_roles_default_key(tmp_path):
     d = tmp_path / "keys"
     create_curve_keys(d)
     (d / "detokenizers/detokenizer.key_secret").unlink()
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--curve-keys", str(d), "--port", "1",
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "up", "--curve-keys", str(d), "--port", "1",
                         "--model", str(cached_model_dir("llama"))], capture_output=True, text=True, timeout=60,
                        cwd=ROOT, check=False)
     assert r.returncode == 2, r
@@ -303,9 +303,9 @@ def test_up_checks_every_roles_default_key(tmp_path):
 
 
 def test_worker_and_detokenizer_check_keys_at_start(tmp_path):
-    from common.config import EngineArgs
-    from services.detokenizer.service import DetokenizerService
-    from services.worker.service import WorkerService
+    from zeroserve.common.config import EngineArgs
+    from zeroserve.services.detokenizer.service import DetokenizerService
+    from zeroserve.services.worker.service import WorkerService
 
     model = str(cached_model_dir("llama"))
     with pytest.raises(CurveKeyError, match="does not exist"):
@@ -321,7 +321,7 @@ def test_worker_and_detokenizer_check_keys_at_start(tmp_path):
 
 
 def _scheduler(host: str, curve_keys=None):
-    from services.scheduler.service import SchedulerConfig, SchedulerService
+    from zeroserve.services.scheduler.service import SchedulerConfig, SchedulerService
 
     ctx = zmq.Context()
     cfg = SchedulerConfig(host=host, port=free_port_block(4, host="127.0.0.1"), models=[], curve_keys=curve_keys)
@@ -375,7 +375,7 @@ def _handshake(ctx, addr: str, keys, sock_type) -> bool | None:
     it is refused, None when nothing happened within 3 s."""
     import zmq.utils.monitor as zmon
 
-    from common.transport import make_socket
+    from zeroserve.common.transport import make_socket
 
     sock = make_socket(ctx, sock_type, **keys.socket_kwargs(), **({"subscribe": b""} if sock_type == zmq.SUB else {}))
     mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -486,7 +486,7 @@ def test_curve_cluster_serves_allowed_clients_only(cluster, keys, model_dir, tmp
         assert out.token_ids == ref.token_ids
 
     # the CLI: `zeroserve status --curve-keys` is served, without keys it is not
-    from services.cli import main
+    from zeroserve.services.cli import main
 
     assert main(["status", "--address", cluster.address, "--curve-keys", str(keys), "--json"]) == 0
     assert main(["status", "--address", cluster.address, "--timeout", "1"]) == 1

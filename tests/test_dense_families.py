@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ModelLoadError
-from common.model_config import ModelConfig
-from kernels import cpu_native
-from services.worker.model.cpu_step import CpuDecodeStep
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.kernels import cpu_native
+from zeroserve.services.worker.model.cpu_step import CpuDecodeStep
 from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
     PagedKV,
     cached_model_dir,
@@ -140,8 +140,8 @@ def test_phi3_longrope_until_the_crossing_matches_hf_generate():
 
 def test_phi3_fused_weights_split_for_tp():
     """The fused qkv_proj / gate_up_proj rows land in each shard as the unfused layout's slices."""
-    from services.worker.model import build_model
-    from kernels import get_ops
+    from zeroserve.services.worker.model import build_model
+    from zeroserve.kernels.dispatch import get_ops
 
     cfg = ModelConfig.from_dir(cached_model_dir("phi3"))
     m = build_model(cfg, "cpu", torch.float32, get_ops("torch"), tp_rank=1, tp_size=2, init="empty")
@@ -173,8 +173,8 @@ def test_config_errors_name_the_key():
 
 @pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the CPU kernels")
 def test_cpu_paged_decode_window_and_softcap_match_twin():
-    from kernels import torch_ops
-    from kernels import AttentionMetadata
+    from zeroserve.kernels import torch_ops
+    from zeroserve.kernels.metadata import AttentionMetadata
 
     g = torch.Generator().manual_seed(0)
     nb, bs, hk, hq, d = 12, 16, 2, 8, 32
@@ -207,8 +207,8 @@ def test_dense_gguf_matches(tmp_path, arch, qtype):
     """A GGUF written as llama.cpp's converter writes it (names, Gemma's +1 norms, metadata):
     F32 matches HF on the original checkpoint; Q8_0 (kept packed) matches our model loaded
     with the same weights dequantized ("none"), and greedy tokens agree with HF."""
-    from kernels import get_ops
-    from services.worker.model import load_model
+    from zeroserve.kernels.dispatch import get_ops
+    from zeroserve.services.worker.model import load_model
     from tests.gguf_export import export_hf_dir
 
     d = cached_model_dir(arch, **GGUF_CASES[arch])
@@ -283,9 +283,9 @@ def test_dense_gguf_tp_shards_hold_their_slices(tmp_path, arch):
     import gguf
     import numpy as np
 
-    from kernels import get_ops
-    from services.worker.model import load_model
-    from services.worker.model.gguf_loader import gguf_name
+    from zeroserve.kernels.dispatch import get_ops
+    from zeroserve.services.worker.model import load_model
+    from zeroserve.services.worker.model.gguf_loader import gguf_name
     from tests.gguf_export import export_hf_dir
 
     g = export_hf_dir(cached_model_dir(arch), tmp_path / f"{arch}.gguf", qtype="Q8_0")

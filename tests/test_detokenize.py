@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from common.detokenize import IncrementalDetokenizer
-from common.sampling_params import SamplingParams
+from zeroserve.common.detokenize import IncrementalDetokenizer
+from zeroserve.common.sampling_params import SamplingParams
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ("the quick brown fox jumps over a lazy dog hello world done stop end "
@@ -318,7 +318,7 @@ def test_fuzz_sentencepiece_style(sp_tok):
 @pytest.fixture(scope="module")
 def decoder(tok, tmp_path_factory):
     """The same tokenizer saved as a model directory, loaded the way the detokenizer loads it."""
-    from common.tokenizer import FastTokenizer
+    from zeroserve.common.tokenizer import FastTokenizer
 
     d = tmp_path_factory.mktemp("tok")
     tok.save_pretrained(str(d))
@@ -344,7 +344,7 @@ def test_detokenizer_loads_no_transformers_nor_torch(tmp_path):
 
     from helpers import cached_model_dir
 
-    code = ("import sys; import services.detokenizer.service as s; from common.tokenizer import load_tokenizer; "
+    code = ("import sys; import zeroserve.services.detokenizer.service as s; from zeroserve.common.tokenizer import load_tokenizer; "
             f"load_tokenizer({str(cached_model_dir('llama'))!r}); "
             "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
     root = Path(__file__).resolve().parents[1]

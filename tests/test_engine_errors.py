@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from common.errors import InvalidRequest, ModelLoadError, ZeroserveError
+from zeroserve.common.errors import InvalidRequest, ModelLoadError, ZeroserveError
 from tests.helpers import random_prompt
 from tests.hf_reference import model_dir, single_torch_thread  # noqa: F401
 from zeroserve import LLM, SamplingParams
@@ -236,8 +236,8 @@ def test_an_exception_inside_a_step_leaves_the_engine_usable():
 
 def test_runner_refuses_block_ids_outside_the_cache(llm):
     """The kernels index the cache without bounds checks: a bad step is an error, not a crash."""
-    from common.sampling_params import SamplingParams as SP
-    from common.messages import NewRequest, Step
+    from zeroserve.common.sampling_params import SamplingParams as SP
+    from zeroserve.common.messages import NewRequest, Step
 
     runner = llm.engine.runner
     bs = runner.block_size

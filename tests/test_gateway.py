@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from common.transport import free_port_block
+from zeroserve.common.transport import free_port_block
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
 
@@ -99,7 +99,7 @@ def test_gateway_runs_at_the_nice_value_it_was_given(env):
 
 
 def test_nice_values_are_checked_and_a_refusal_says_what_to_do(monkeypatch):
-    from common.priority import set_nice
+    from zeroserve.common.priority import set_nice
 
     for bad in (-21, 20, True, 1.5):
         with pytest.raises(ValueError, match=r"--nice must be an integer in \[-20, 19\]"):
@@ -478,8 +478,8 @@ def fake_gateway():
 
     import uvicorn
 
-    from common.config import GatewayArgs
-    from services.gateway.app import create_app
+    from zeroserve.common.config import GatewayArgs
+    from zeroserve.services.gateway.app import create_app
 
     holder: dict = {}
     writes: list[bytes] = []
@@ -581,7 +581,7 @@ def test_a_client_that_leaves_before_the_first_token_aborts(fake_gateway):
 
 
 def test_lean_path_errors_and_shared_model_refresh(fake_gateway, monkeypatch):
-    import services.gateway.app as gw_app
+    import zeroserve.services.gateway.app as gw_app
 
     start, _ = fake_gateway
     url, client = start([])

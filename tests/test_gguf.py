@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.errors import ModelLoadError
-from common.gguf_config import llama3_factors, llama3_from_rope_freqs
-from common.model_config import ModelConfig, resolve_model_path
-from kernels import get_ops
-from services.worker.model import gguf_loader, load_model
-from services.tiny_model import installed_real_model
-from services.worker.model.layers import rope_inv_freq
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.gguf_config import llama3_factors, llama3_from_rope_freqs
+from zeroserve.common.model_config import ModelConfig, resolve_model_path
+from zeroserve.kernels.dispatch import get_ops
+from zeroserve.services.worker.model import gguf_loader, load_model
+from zeroserve.services.tiny_model import installed_real_model
+from zeroserve.services.worker.model.layers import rope_inv_freq
 from tests.gguf_export import encode_tensor, export_hf_dir, random_blocks, write_gguf
 from tests.helpers import (
     PagedKV,
@@ -177,10 +177,10 @@ def test_model_path_resolution(tmp_path):
 
 def test_gguf_config_reader_needs_no_torch(tmp_path):
     f = _quant_model(tmp_path / "m.gguf", "Q4_0")
-    code = ("import sys; from common.gguf_config import GGUFFile; g = GGUFFile(sys.argv[1]); "
+    code = ("import sys; from zeroserve.common.gguf_config import GGUFFile; g = GGUFFile(sys.argv[1]); "
             "assert g.metadata['llama.block_count'] == 1 and g.tensors['output.weight'].shape == (515, 256); "
-            "assert 'torch' not in sys.modules, 'common.gguf_config imported torch'; "
-            "from common.model_config import ModelConfig; assert ModelConfig.from_dir(sys.argv[1]).num_layers == 1; "
+            "assert 'torch' not in sys.modules, 'zeroserve.common.gguf_config imported torch'; "
+            "from zeroserve.common.model_config import ModelConfig; assert ModelConfig.from_dir(sys.argv[1]).num_layers == 1; "
             "assert 'torch' not in sys.modules, 'reading a GGUF config imported torch'")
     subprocess.run([sys.executable, "-c", code, str(f)], check=True, cwd=ROOT, timeout=60)
 
@@ -241,8 +241,8 @@ def test_tiny_f32_gguf_matches_hf(tmp_path, arch, overrides):
 def test_tiny_gguf_tokenizer_matches_hf(tmp_path):
     from transformers import AutoTokenizer
 
-    from common.gguf_config import gguf_chat_template
-    from common.tokenizer import load_tokenizer
+    from zeroserve.common.gguf_config import gguf_chat_template
+    from zeroserve.common.tokenizer import load_tokenizer
 
     text = "Hello world, a cream mule 12345 naïve café 🤗 </s> <s>x\n\n  end"
     for arch in ("llama", "qwen2"):

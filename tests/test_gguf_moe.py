@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model_config import ModelConfig
+from zeroserve.common.model_config import ModelConfig
 from tests.gguf_export import export_hf_dir
 from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
     PagedKV,

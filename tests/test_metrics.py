@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.transport import free_port_block
+from zeroserve.common.transport import free_port_block
 from tests.cluster import REPO, no_leftover_processes  # noqa: F401 (fixture)
 from tests.test_gateway import cluster_with_gateway
 
@@ -120,7 +120,7 @@ def test_counters_agree_with_what_was_served(env):
     st = c.stats()["metrics"]
     assert st["requests_finished"] == requests and st["generation_tokens"] == served
     assert st["ttft_mean_s"] > 0 and st["prefix_cache_hits"] >= 32
-    r = subprocess.run([sys.executable, "-m", "services.cli", "status", "--address", c.address], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "status", "--address", c.address], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert f"served {requests} " in r.stdout and f"generated {served}" in r.stdout, r.stdout

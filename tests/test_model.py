@@ -16,13 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.errors import ModelLoadError
-from common.model_config import ModelConfig
-from services.worker.dtype import resolve_dtype
-from common.tokenizer import load_tokenizer
-from kernels import cpu_native, get_ops
-from services.worker.model import build_model, load_model
-from services.worker.model.layers import rope_inv_freq
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.services.worker.dtype import resolve_dtype
+from zeroserve.common.tokenizer import load_tokenizer
+from zeroserve.kernels.dispatch import get_ops
+from zeroserve.kernels import cpu_native
+from zeroserve.services.worker.model import build_model, load_model
+from zeroserve.services.worker.model.layers import rope_inv_freq
 from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
     PagedKV,
     cached_model_dir,
@@ -353,7 +354,7 @@ def test_resolve_dtype(monkeypatch):
 def test_cpu_auto_dtype_is_measured(monkeypatch):
     """bf16 only for a bf16 checkpoint, on a CPU with native bf16, where the probe measured it
     faster for decode and not slower for prefill; fp32 (and no probe) everywhere else."""
-    from services.worker import dtype as dt
+    from zeroserve.services.worker import dtype as dt
 
     probed = []
 
@@ -389,7 +390,7 @@ def test_cpu_auto_dtype_is_measured(monkeypatch):
 
 
 def test_probe_linear_times_every_dtype_and_batch():
-    from services.worker.dtype import probe_linear
+    from zeroserve.services.worker.dtype import probe_linear
 
     t = probe_linear(1024, 512, tokens=(1, 16), budget_s=0.01)  # 2 MB: 128 copies fill the working set
     assert set(t) == {(d, n) for d in (torch.float32, torch.bfloat16) for n in (1, 16)}

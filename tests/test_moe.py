@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from common.errors import ModelLoadError
-from common.model_config import ModelConfig
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.model_config import ModelConfig
 from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
     PagedKV,
     cached_model_dir,
@@ -112,12 +112,12 @@ def test_quantized_experts_stay_packed(quant):
 
 
 def test_compiled_decode_step_excludes_moe():
-    from services.worker.model.cpu_step import CpuDecodeStep
+    from zeroserve.services.worker.model.cpu_step import CpuDecodeStep
 
     _, model = load_our_model(cached_model_dir("mixtral"), backend="cpu", quantization="int8")
     assert CpuDecodeStep.build(model) is None
     _, dense = load_our_model(cached_model_dir("llama"), backend="cpu", quantization="int8")
-    from kernels import cpu_native
+    from zeroserve.kernels import cpu_native
     if cpu_native.step_lib() is not None:  # a dense packed model does get it: the check is specific
         assert CpuDecodeStep.build(dense) is not None
 
@@ -125,7 +125,7 @@ def test_compiled_decode_step_excludes_moe():
 def test_work_only_for_routed_experts(monkeypatch):
     """A decode step runs top_k experts per layer and token, whatever the expert count: the
     expert matmuls are counted (the stacks' per-expert slices w13[e] the twin multiplies)."""
-    import kernels.moe as M
+    import zeroserve.kernels.moe as M
 
     used = []
     real_groups, real_single = M.expert_groups, M.single_token_routes
@@ -180,8 +180,8 @@ def test_config_errors(tmp_path):
 
 
 def test_expert_parallel_needs_divisible_experts():
-    from kernels import get_ops
-    from services.worker.model import build_model
+    from zeroserve.kernels.dispatch import get_ops
+    from zeroserve.services.worker.model import build_model
 
     cfg = ModelConfig.from_dir(cached_model_dir("mixtral", num_local_experts=5))
     with pytest.raises(ModelLoadError, match=r"num_experts \(5\) is not divisible by tensor_parallel_size \(2\)"):
@@ -193,7 +193,7 @@ def _fuse_experts(d, arch):
     3-D `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I], routers under `mlp`."""
     from safetensors.torch import load_file, save_file
 
-    from services.worker.model.moe import hf_expert_names, moe_prefix
+    from zeroserve.services.worker.model.moe import hf_expert_names, moe_prefix
 
     cfg = ModelConfig.from_dir(d)
     w = load_file(str(d / "model.safetensors"))
@@ -245,7 +245,7 @@ def test_triton_backend_moe_matches_hf(arch):
 
 
 def test_make_tiny_model_cli_moe_archs(tmp_path, capsys):
-    from services.tiny_model import main
+    from zeroserve.services.tiny_model import main
 
     for arch in ARCHS:
         assert main([str(tmp_path / arch), "--arch", arch, "--size", "tiny"]) == 0

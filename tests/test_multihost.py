@@ -53,7 +53,7 @@ def _client(hosts: NetnsHosts, keys: Path, name: str, wait_s: float, **spec) -> 
 
 
 def _worker(hosts: NetnsHosts, host: str, name: str, model: str, keys: Path, key_name: str, *extra: str) -> None:
-    hosts.start(host, name, ["services.cli", "worker", "--scheduler", f"tcp://{hosts.addr('sched')}:{PORT + 1}",
+    hosts.start(host, name, ["zeroserve.services.cli", "worker", "--scheduler", f"tcp://{hosts.addr('sched')}:{PORT + 1}",
                              "--model", model, "--worker-id", name, "--num-kv-blocks", "128", "--threads", "1",
                              "--curve-keys", str(keys), "--curve-client", key_name, *extra])
 
@@ -75,7 +75,7 @@ def reference(model_dir) -> dict:
 
 
 def test_tp_across_hosts_partition_failover_and_rejoin(model_dir, reference, tmp_path):
-    from common.curve import create_curve_keys
+    from zeroserve.common.curve import create_curve_keys
 
     keys = tmp_path / "keys"  # one directory stands in for the files copied to each host
     create_curve_keys(keys, workers=["tp", "edge"])
@@ -83,9 +83,9 @@ def test_tp_across_hosts_partition_failover_and_rejoin(model_dir, reference, tmp
     with NetnsHosts(HOSTS) as hosts:
         sched = hosts.addr("sched")
         hosts.start("sched", "scheduler", [
-            "services.cli", "scheduler", "--host", "0.0.0.0", "--advertise-host", sched, "--port", str(PORT),
+            "zeroserve.services.cli", "scheduler", "--host", "0.0.0.0", "--advertise-host", sched, "--port", str(PORT),
             "--model", model, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--curve-keys", str(keys)])
-        hosts.start("sched", "detokenizer", ["services.cli", "detokenizer", "--scheduler", f"tcp://{sched}:{PORT + 1}",
+        hosts.start("sched", "detokenizer", ["zeroserve.services.cli", "detokenizer", "--scheduler", f"tcp://{sched}:{PORT + 1}",
                                              "--model", model, "--curve-keys", str(keys)])
         tp = ("--group", "gtp", "--tp-size", "2")
         _worker(hosts, "tpa", "gtp-r0", model, keys, "tp", *tp, "--tp-rank", "0", "--advertise-host", hosts.addr("tpa"))

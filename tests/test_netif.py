@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import InvalidRequest
-from services.worker import netif
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.services.worker import netif
 
 TABLE = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.7.0.2", "fe80::1"], "eth1": ["192.168.5.9"]}
 

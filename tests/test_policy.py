@@ -2,12 +2,12 @@
 
 import pytest
 
-from common.errors import InvalidRequest
-from common.messages import StepResult
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import Scheduler
-from services.scheduler.request import Request, Status
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.messages import StepResult
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.services.scheduler.block_manager import BlockManager
+from zeroserve.services.scheduler.policy import Scheduler
+from zeroserve.services.scheduler.request import Request, Status
 
 BS = 16
 

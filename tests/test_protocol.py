@@ -1,4 +1,4 @@
-"""Protocol v2 (common.messages + common.codec): round trips of every message, the wire layout
+"""Protocol v2 (zeroserve.common.messages + zeroserve.common.codec): round trips of every message, the wire layout
 as a plain msgpack reader sees it, validation of hostile input, v1 peers, a seeded fuzz."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from common import codec as C
-from common import messages as M
-from common.errors import InvalidRequest
-from common.sampling_params import SamplingParams
+from zeroserve.common import codec as C
+from zeroserve.common import messages as M
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.sampling_params import SamplingParams
 
 I32 = np.int32
 F32 = np.float32
@@ -1256,7 +1256,7 @@ def test_builders_and_splitters():
 
 
 def test_error_message_maps_to_typed_exception():
-    from common.errors import Overloaded, RequestTimeout, ZeroserveError
+    from zeroserve.common.errors import Overloaded, RequestTimeout, ZeroserveError
 
     err = M.Error.from_exception(Overloaded("queue is full"), request_id="r")
     out = C.decode(C.encode(err))

@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.model_config import ModelConfig
-from kernels import cpu_native, get_ops
-from services.worker.model import gguf_loader, load_model
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.kernels.dispatch import get_ops
+from zeroserve.kernels import cpu_native
+from zeroserve.services.worker.model import gguf_loader, load_model
 from tests.helpers import (  # noqa: F401 (torch_single_thread is a fixture)
     PagedKV,
     cached_model_dir,
@@ -108,7 +109,7 @@ def test_real_gguf_packed_matches_dequantized():
 
 @needs_real
 def test_real_gguf_memory_is_packed_size():
-    from common.gguf_config import GGUFFile
+    from zeroserve.common.gguf_config import GGUFFile
 
     gf = GGUFFile(REAL)
     file_bytes = sum(t.nbytes for t in gf.tensors.values())  # Q4_1 linears, Q8_0 token_embd, F32 norms
@@ -172,7 +173,7 @@ def test_packed_gguf_shards_hold_reference_values(tmp_path, name, monkeypatch):
 
 
 def test_quantization_none_and_bad_value(tmp_path):
-    from common.errors import ModelLoadError
+    from zeroserve.common.errors import ModelLoadError
     from tests.test_gguf import _quant_model
 
     cfg = ModelConfig.from_dir(_quant_model(tmp_path / "q.gguf", "Q4_1"))

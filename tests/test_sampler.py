@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from services.worker.sampler import SamplingTensors, apply_penalties, random_uniform, sample
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.services.worker.sampler import SamplingTensors, apply_penalties, random_uniform, sample
 
 V = 64
 

@@ -10,11 +10,11 @@ import numpy as np
 import openai
 import pytest
 
-from common import messages as P
-from common.codec import ProtocolError, decode, encode
-from common.errors import InvalidRequest, ModelLoadError
-from common.model_config import ModelConfig, resolve_sampling_defaults
-from common.sampling_params import (
+from zeroserve.common import messages as P
+from zeroserve.common.codec import ProtocolError, decode, encode
+from zeroserve.common.errors import InvalidRequest, ModelLoadError
+from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
+from zeroserve.common.sampling_params import (
     MODEL_DEFAULT_FIELDS,
     SamplingParams,
     check_defaults,
@@ -23,7 +23,7 @@ from common.sampling_params import (
     unset_fields,
     with_model_defaults,
 )
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from zeroserve.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tests.cluster import no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import make_model_dir, torch_single_thread  # noqa: F401 (fixture)
 from tests.scheduler_sim import CLIENT_ID, MODEL, make_cluster

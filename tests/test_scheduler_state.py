@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import messages as P  # noqa: E402
-from common.errors import InvalidRequest, Overloaded  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from services.scheduler.groups import GroupState  # noqa: E402
-from services.scheduler.outbox import Outbox  # noqa: E402
+from zeroserve.common import messages as P  # noqa: E402
+from zeroserve.common.errors import InvalidRequest, Overloaded  # noqa: E402
+from zeroserve.common.sampling_params import SamplingParams  # noqa: E402
+from zeroserve.services.scheduler.groups import GroupState  # noqa: E402
+from zeroserve.services.scheduler.outbox import Outbox  # noqa: E402
 from tests.scheduler_sim import (  # noqa: E402
     CLIENT_ID,
     MODEL,
@@ -494,7 +494,7 @@ def test_text_prompts_go_to_the_tokenizer_pool():
 
 
 def test_a_peer_that_refuses_one_message_gets_none_of_the_rest():
-    from services.scheduler.service import SchedulerService
+    from zeroserve.services.scheduler.service import SchedulerService
 
     class FakeChannel:
         def __init__(self, refuse: set[bytes]) -> None:

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.messages import StepResult
-from common.model_config import ModelConfig
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import Scheduler
-from services.scheduler.request import Request
+from zeroserve.common.messages import StepResult
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.services.scheduler.block_manager import BlockManager
+from zeroserve.services.scheduler.policy import Scheduler
+from zeroserve.services.scheduler.request import Request
 from tests.helpers import cached_model_dir, load_hf_model, random_prompt, torch_single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

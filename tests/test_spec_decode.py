@@ -15,15 +15,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import EngineArgs
-from common.errors import InvalidRequest
-from common.messages import CachedRequests, Step, StepResult
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import Scheduler
-from services.scheduler.request import Request
-from services.tiny_model import installed_real_model
-from services.worker.spec_decode import NgramProposer, Speculator, accepted_length, expected_accepted
+from zeroserve.common.config import EngineArgs
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.messages import CachedRequests, Step, StepResult
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.services.scheduler.block_manager import BlockManager
+from zeroserve.services.scheduler.policy import Scheduler
+from zeroserve.services.scheduler.request import Request
+from zeroserve.services.tiny_model import installed_real_model
+from zeroserve.services.worker.spec_decode import NgramProposer, Speculator, accepted_length, expected_accepted
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401
 from tests.helpers import cached_model_dir, random_prompt
 from zeroserve import LLM

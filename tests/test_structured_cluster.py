@@ -118,7 +118,7 @@ def test_bad_constraints_are_400s_naming_the_problem(env):
 
 
 def test_the_zeromq_client_constrains_and_refuses_bad_grammars(env):
-    from common.errors import InvalidRequest
+    from zeroserve.common.errors import InvalidRequest
     from zeroserve import SamplingParams
 
     c, _ = env

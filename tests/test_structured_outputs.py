@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import InvalidRequest
-from common.sampling_params import SamplingParams, StructuredOutputsParams
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -121,7 +121,7 @@ def test_params_with_a_constraint_survive_the_wire():
 
 
 def test_bitmask_unpacks_to_exactly_the_allowed_tokens():
-    from kernels.token_bitmask import unpack_bitmask
+    from zeroserve.kernels.token_bitmask import unpack_bitmask
 
     rng = np.random.default_rng(0)
     allowed = rng.random((3, 70)) < 0.3
@@ -133,7 +133,7 @@ def test_bitmask_unpacks_to_exactly_the_allowed_tokens():
 
 
 def test_sampler_only_picks_allowed_tokens_and_the_grammar_outranks_min_tokens_bans():
-    from services.worker.sampler import SamplingTensors, sample
+    from zeroserve.services.worker.sampler import SamplingTensors, sample
 
     V = 64
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 5

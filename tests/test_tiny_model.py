@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from common.model_config import ModelConfig
-from services import tiny_model
-from services.tiny_model import SIZES, make_tiny_model, tiny_config
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.services import tiny_model
+from zeroserve.services.tiny_model import SIZES, make_tiny_model, tiny_config
 from tests.helpers import cached_model_dir, load_hf_model, make_model_dir, torch_single_thread  # noqa: F401
 
 TEXTS = ["Hello world, the café is open. 日本語 🤖", "12345 apples\n\n  and\tthree   pears!!", "",

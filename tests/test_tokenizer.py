@@ -1,4 +1,4 @@
-"""common.tokenizer's FastTokenizer equals transformers' tokenizer built from the same files (ids,
+"""zeroserve.common.tokenizer's FastTokenizer equals transformers' tokenizer built from the same files (ids,
 decoded text, special tokens, rendered chat templates), and loading it imports neither
 transformers nor torch (the scheduler's, gateway's and detokenizer's start-up tax)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.tokenizer import FastTokenizer, load_tokenizer
+from zeroserve.common.tokenizer import FastTokenizer, load_tokenizer
 from helpers import cached_model_dir
-from services.tiny_model import installed_real_model
+from zeroserve.services.tiny_model import installed_real_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,7 @@ def test_chat_templates_render_as_transformers(pairs, name):
 
 
 def test_chat_prompt_ids_equal_transformers(pairs):
-    from common.chat import chat_prompt
+    from zeroserve.common.chat import chat_prompt
 
     ours, ref = _pair(pairs, "smollm2-gguf") if "smollm2-gguf" in pairs else pairs["qwen2-gguf"]
     msgs = MESSAGES[:2]
@@ -135,8 +135,8 @@ def test_chat_prompt_ids_equal_transformers(pairs):
 
 
 def test_template_errors_are_typed(pairs):
-    from common.chat import chat_prompt
-    from common.errors import InvalidRequest
+    from zeroserve.common.chat import chat_prompt
+    from zeroserve.common.errors import InvalidRequest
 
     ours, _ = pairs["llama-dir"]
     bad = "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}"
@@ -152,9 +152,9 @@ def test_loading_imports_neither_transformers_nor_torch(tmp_path):
     directory, GGUF files, a rendered chat), leave transformers and torch unimported."""
     paths = [str(p) for p in _models(tmp_path).values()]
     code = ("import sys, json\n"
-            "import services.scheduler.service, services.gateway.app, services.detokenizer.service\n"
-            "from common.tokenizer import load_tokenizer\n"
-            "from common.chat import chat_prompt\n"
+            "import zeroserve.services.scheduler.service, zeroserve.services.gateway.app, zeroserve.services.detokenizer.service\n"
+            "from zeroserve.common.tokenizer import load_tokenizer\n"
+            "from zeroserve.common.chat import chat_prompt\n"
             f"for p in {paths!r}:\n"
             "    t = load_tokenizer(p); load_tokenizer(p).decode(t.encode('hi there'))\n"
             "    t.chat_template and chat_prompt(t, [{'role': 'user', 'content': 'hi'}])\n"
@@ -165,7 +165,7 @@ def test_loading_imports_neither_transformers_nor_torch(tmp_path):
 
 
 def test_missing_and_broken_tokenizer_files_are_typed_errors(tmp_path):
-    from common.errors import ModelLoadError
+    from zeroserve.common.errors import ModelLoadError
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="missing tokenizer.json"):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import sys, threading
-from common.tokenizer import load_tokenizer
+from zeroserve.common.tokenizer import load_tokenizer
 assert "transformers" not in sys.modules  # the race is in the first import
 errors, barrier = [], threading.Barrier(4)
 def load():

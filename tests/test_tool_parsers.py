@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from common.tool_parsers import PARSERS, ToolCall, check_calls, get_parser, parser_for_template
-from common.tools import ToolStream, check_tools, parse_output
+from zeroserve.common.tool_parsers import PARSERS, ToolCall, check_calls, get_parser, parser_for_template
+from zeroserve.common.tools import ToolStream, check_tools, parse_output
 
 CASES = {
     "hermes": [
@@ -120,8 +120,8 @@ def test_openai_stream_shapes_for_every_tool_choice():
 
 
 async def test_the_gateway_refuses_auto_when_no_format_is_known():
-    from services.gateway.errors import APIError
-    from services.gateway.tools import tool_parser
+    from zeroserve.services.gateway.errors import APIError
+    from zeroserve.services.gateway.tools import tool_parser
 
     class Models:  # the gateway's view of the scheduler's model cards, as its `models()` returns them
         def __init__(self, parser):

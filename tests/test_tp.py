@@ -163,9 +163,9 @@ def test_tp2_matches_tp1(tmp_path):
 
 def test_tp_rank_range_checked():
 
-    from common.model_config import ModelConfig
-    from kernels import get_ops
-    from services.worker.model import build_model
+    from zeroserve.common.model_config import ModelConfig
+    from zeroserve.kernels.dispatch import get_ops
+    from zeroserve.services.worker.model import build_model
 
     cfg = ModelConfig.from_dir(cached_model_dir("llama"))
     with pytest.raises(ValueError, match="tp_rank 2 out of range"):

@@ -1,4 +1,4 @@
-"""common.transport: real sockets on loopback, through Channel. Every receive has
+"""zeroserve.common.transport: real sockets on loopback, through Channel. Every receive has
 a timeout; every socket is closed."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common import codec as C
-from common import messages as M
-from common import transport as T
-from common.errors import InvalidRequest
+from zeroserve.common import codec as C
+from zeroserve.common import messages as M
+from zeroserve.common import transport as T
+from zeroserve.common.errors import InvalidRequest
 
 TIMEOUT = 5.0  # seconds; generous for loaded CI machines, never reached when things work
 _inproc = itertools.count()
@@ -468,7 +468,7 @@ def test_dispatch_handlers_may_reply_and_errors_never_stop_the_loop(socks):
 
 
 def test_curve_allowed_and_refused(ctx, socks, tmp_path):
-    from common import curve  # the key helpers; make_socket takes the key files
+    from zeroserve.common import curve  # the key helpers; make_socket takes the key files
 
     server_pub, server_secret = curve.generate_keys(tmp_path / "server", "server")
     _, good_secret = curve.generate_keys(tmp_path / "clients", "good")
@@ -512,7 +512,7 @@ def test_curve_zap_domains(ctx, socks, tmp_path):
     """Per ZAP domain (make_socket(zap_domain=...)): domain "a" admits the allow-list, an unlisted
     one nobody. (A test of its own: a second authenticator on one context races the first one's
     ZAP endpoint, inproc://zeromq.zap.01, which its thread releases only after stop().)"""
-    from common import curve
+    from zeroserve.common import curve
 
     server_pub, server_secret = curve.generate_keys(tmp_path / "server", "server")
     _, good_secret = curve.generate_keys(tmp_path / "clients", "good")

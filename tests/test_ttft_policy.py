@@ -7,12 +7,12 @@ import statistics
 
 import pytest
 
-from common.config import EngineArgs, SchedulerConfig
-from common.messages import StepResult
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import Scheduler
-from services.scheduler.request import Request
+from zeroserve.common.config import EngineArgs, SchedulerConfig
+from zeroserve.common.messages import StepResult
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.services.scheduler.block_manager import BlockManager
+from zeroserve.services.scheduler.policy import Scheduler
+from zeroserve.services.scheduler.request import Request
 
 BS, N, PROMPT, OUT = 16, 16, 256, 8
 

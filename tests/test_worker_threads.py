@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import json, sys
 sys.path.insert(0, {root!r})
-from services.worker.threads import configure
+from zeroserve.services.worker.threads import configure
 configure({threads})
 import torch
 print(json.dumps({{"policy": __import__("os").environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}}))
@@ -33,7 +33,7 @@ def test_libgomp_default_policy_and_threads_as_asked():
 
 
 def test_passive_only_when_teams_oversubscribe_the_cpus(monkeypatch):
-    from services.worker.threads import wait_policy_for
+    from zeroserve.services.worker.threads import wait_policy_for
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert wait_policy_for(2, cpus=2) is None
@@ -45,8 +45,8 @@ def test_passive_only_when_teams_oversubscribe_the_cpus(monkeypatch):
 def test_up_gives_oversubscribed_workers_passive_waits(monkeypatch):
     """`up --workers 2 --threads 2` on 2 CPUs: each worker waits passively; one fitting worker
     keeps the default."""
-    from services import launcher
-    from services.cli import build_parser
+    from zeroserve.services import launcher
+    from zeroserve.services.cli import build_parser
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(launcher, "usable_cpus", lambda: 2)
@@ -66,7 +66,7 @@ def test_the_users_environment_wins():
 
 
 def test_usable_cpus_follows_the_affinity_mask():
-    from services.worker.threads import usable_cpus
+    from zeroserve.services.worker.threads import usable_cpus
 
     assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
     if hasattr(os, "sched_getaffinity"):

@@ -1,6 +1,6 @@
 """zeroserve public API."""
 
-from common.errors import (
+from zeroserve.common.errors import (
     ClusterUnavailable,
     InvalidRequest,
     ModelLoadError,
@@ -8,8 +8,8 @@ from common.errors import (
     RequestTimeout,
     ZeroserveError,
 )
-from common.outputs import CompletionOutput, Logprob, RequestOutput
-from common.sampling_params import SamplingParams
+from zeroserve.common.outputs import CompletionOutput, Logprob, RequestOutput
+from zeroserve.common.sampling_params import SamplingParams
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "Client", "AsyncClient",

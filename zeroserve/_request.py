@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from common import messages as P
-from common.chat import check_messages
-from common.errors import InvalidRequest
-from common.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entries
-from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields
+from zeroserve.common import messages as P
+from zeroserve.common.chat import check_messages
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entries
+from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields
 
 log = logging.getLogger("zeroserve.client")
 

@@ -56,20 +56,20 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common import messages as P
-from common.codec import PROTOCOL_VERSION, ProtocolError, decode, encode
-from common.curve import CURVE_CLIENT_ENV, CURVE_KEYS_ENV, curve_client_keys
-from common.errors import (
+from zeroserve.common import messages as P
+from zeroserve.common.codec import PROTOCOL_VERSION, ProtocolError, decode, encode
+from zeroserve.common.curve import CURVE_CLIENT_ENV, CURVE_KEYS_ENV, curve_client_keys
+from zeroserve.common.errors import (
     ClusterUnavailable,
     InvalidRequest,
     RequestTimeout,
     ZeroserveError,
 )
-from common.outputs import RequestOutput
-from common.sampling_params import SamplingParams
-from common.tools import attach_calls, check_tools, constrained_params
-from common.transport import make_socket, tcp_addr
-from services.scheduler.admission import split_prompt
+from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.common.tools import attach_calls, check_tools, constrained_params
+from zeroserve.common.transport import make_socket, tcp_addr
+from zeroserve.services.scheduler.admission import split_prompt
 from zeroserve._request import (
     Conversation,
     StreamDelta,

@@ -12,9 +12,9 @@ import asyncio
 import logging
 import math
 
-from common import messages as P
-from common.codec import decode, encode
-from common.errors import ClusterUnavailable
+from zeroserve.common import messages as P
+from zeroserve.common.codec import decode, encode
+from zeroserve.common.errors import ClusterUnavailable
 from zeroserve._request import _Req
 
 log = logging.getLogger("zeroserve.client")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from common.config import EngineArgs
-from common.errors import InvalidRequest
-from common.outputs import RequestOutput
-from common.sampling_params import SamplingParams
-from common.tools import attach_calls, check_tools, constrained_params
-from services.engine import LLMEngine
+from zeroserve.common.config import EngineArgs
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.common.tools import attach_calls, check_tools, constrained_params
+from zeroserve.services.engine import LLMEngine
 
 
 class LLM:
@@ -91,7 +91,7 @@ class LLM:
                               for c in convs], sampling_params, use_tqdm=use_tqdm)
         if spec is not None:
             if tool_parser is None and spec.choice == "auto":
-                from common.tool_parsers import parser_for_template
+                from zeroserve.common.tool_parsers import parser_for_template
 
                 tool_parser = parser_for_template(chat_template or self.tokenizer.chat_template)
             for o in outs:

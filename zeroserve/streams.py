@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, Self
 
-from common.sampling_params import SamplingParams
+from zeroserve.common.sampling_params import SamplingParams
 from zeroserve._request import StreamDelta, _Req
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from typing import Any, Self
 
 import zmq
 
-from common.errors import ZeroserveError
-from common.outputs import RequestOutput
-from common.sampling_params import SamplingParams
+from zeroserve.common.errors import ZeroserveError
+from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.sampling_params import SamplingParams
 from zeroserve._request import StreamDelta
 from zeroserve.client import DEFAULT_ADDRESS, AsyncClient
 from zeroserve.streams import AsyncStream

@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="don't time decode attention at forced split counts 1..16")
     p.add_argument("--skip-torch", action="store_true", help="don't time the torch twin")
     p.add_argument("--model-impl", default="auto", choices=["auto", "zeroserve", "composed"],
-                   help="zeroserve = services.worker.model.build_model; composed = the ops + "
+                   help="zeroserve = zeroserve.services.worker.model.build_model; composed = the ops + "
                         "F.linear in this script; auto = zeroserve when importable")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -152,7 +152,7 @@ def paged_batch(seq_lens, q_lens, hq, hk, d, bs, dtype, device, seed=0, num_bloc
     """Random cache with shuffled block tables: (q, k_cache, v_cache, meta)."""
     import torch
 
-    from kernels import AttentionMetadata
+    from zeroserve.kernels.metadata import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     per = [max(1, math.ceil(s / bs)) for s in seq_lens]
@@ -284,7 +284,7 @@ def _decode_one(args, shapes, tri, ref, ctx: int) -> dict:
     row = dict(ctx=ctx)
     line = f"  ctx={ctx:<6}"
     if tri is not None and not args.dry_run:  # interpreter timings would mean nothing
-        from kernels.triton_ops import _decode_splits
+        from zeroserve.kernels.triton_ops import _decode_splits
 
         t_tri = time_fn(lambda: tri.paged_attention(q, kc, vc, meta, scale), dev, iters, warmup)
         splits = _decode_splits(b, hk, ctx, 64, q.device)[0]
@@ -312,7 +312,7 @@ def _decode_one(args, shapes, tri, ref, ctx: int) -> dict:
 
 # --------------------------------------------------------------------------- 3. whole decode step
 def _model_config(ms: ModelShape):
-    from common.model_config import ModelConfig
+    from zeroserve.common.model_config import ModelConfig
 
     return ModelConfig(
         architecture="LlamaForCausalLM", hidden_size=ms.hidden, num_layers=ms.layers,
@@ -391,14 +391,14 @@ def bench_model_step(args, shapes, ops) -> dict:
     model = None
     if impl in ("auto", "zeroserve"):
         try:
-            from services.worker.model import build_model
+            from zeroserve.services.worker.model import build_model
 
             model = build_model(_model_config(ms), dev, dt, ops, init="random")
             impl = "zeroserve"
         except ImportError as e:
             if impl == "zeroserve":
                 raise
-            print(f"  (services.worker.model unavailable: {e}; composing the step from the ops)")
+            print(f"  (zeroserve.services.worker.model unavailable: {e}; composing the step from the ops)")
     if model is None:
         impl = "composed"
         model = ComposedLlama(ms, ops, dev, dt, max_pos=max(ctx + 1, 4096))
@@ -408,7 +408,7 @@ def bench_model_step(args, shapes, ops) -> dict:
                  for _ in range(ms.layers)]
     _, _, _, meta = paged_batch([ctx] * b, [1] * b, 1, 1, 16, bs, dt, "cpu", seed=5,
                                 num_blocks=nb)  # only the metadata is used
-    from kernels import AttentionMetadata
+    from zeroserve.kernels.metadata import AttentionMetadata
 
     meta = AttentionMetadata(meta.slot_mapping.to(dev), meta.block_tables.to(dev),
                              meta.seq_lens.to(dev), meta.query_start_loc.to(dev),
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from kernels import torch_ops as ref
+    from zeroserve.kernels import torch_ops as ref
 
     shapes = setup_shapes(args)
     print(f"device={args.device} dry_run={args.dry_run} dtype={shapes['dtype_name']} "
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
     try:
         import triton  # noqa: F401  (only to know it is there)
 
-        from kernels import triton_ops as tri
+        from zeroserve.kernels import triton_ops as tri
     except ImportError as e:
         print(f"triton unavailable ({e}): checking the torch twins only")
         tri = None

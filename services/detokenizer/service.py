@@ -4,7 +4,7 @@ It holds one IncrementalDetokenizer per live sequence and answers each `DetokTok
 with one `DetokOutputs`. It keeps no state the scheduler cannot rebuild: after a restart the
 scheduler replays every live sequence (`DetokNew` with the tokens already delivered, fed here
 without emitting text), so streams continue without loss or repeats. Joining, heartbeats (from
-this loop, on the one socket) and noticing a restarted scheduler are `services.backend_peer`'s.
+this loop, on the one socket) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ import uuid
 
 import zmq
 
-from common import messages as P
-from common.codec import ProtocolError
-from common.config import DetokenizerArgs, from_cli_args
-from common.curve import curve_client_keys
-from common.detokenize import IncrementalDetokenizer
-from common.errors import InvalidRequest
-from common.log import get_logger, setup_logging
-from common.memory import freeze_startup_heap
-from common.model_config import ModelConfig
-from common.sampling_params import SamplingParams
-from common.tokenizer import load_tokenizer
-from services.backend_peer import BackendPeer, Refused
-from services.tiny_model import default_model_dir
+from zeroserve.common import messages as P
+from zeroserve.common.codec import ProtocolError
+from zeroserve.common.config import DetokenizerArgs, from_cli_args
+from zeroserve.common.curve import curve_client_keys
+from zeroserve.common.detokenize import IncrementalDetokenizer
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.log import get_logger, setup_logging
+from zeroserve.common.memory import freeze_startup_heap
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.common.tokenizer import load_tokenizer
+from zeroserve.services.backend_peer import BackendPeer, Refused
+from zeroserve.services.tiny_model import default_model_dir
 
 log = get_logger("detokenizer")
 

@@ -31,20 +31,20 @@ from prometheus_client import (
 
 disable_created_metrics()
 
-from common.config import GatewayArgs
-from common.errors import InvalidRequest, ZeroserveError
-from common.log import get_logger
-from common.memory import freeze_startup_heap
-from services.gateway import completions
-from services.gateway.completions import now as _now
-from services.gateway.errors import (
+from zeroserve.common.config import GatewayArgs
+from zeroserve.common.errors import InvalidRequest, ZeroserveError
+from zeroserve.common.log import get_logger
+from zeroserve.common.memory import freeze_startup_heap
+from zeroserve.services.gateway import completions
+from zeroserve.services.gateway.completions import now as _now
+from zeroserve.services.gateway.errors import (
     RETRY_AFTER_S,
     APIError,
     BodyTooLarge,
     api_error,
     validation_error,
 )
-from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from zeroserve.services.gateway.protocol import DetokenizeRequest, TokenizeRequest
 
 log = get_logger("gateway")
 
@@ -213,7 +213,7 @@ class Gateway:
                 dirs = await asyncio.to_thread(self._model_dirs)
                 d = dirs.get(model) or (self.cfg.models[0] if len(self.cfg.models) == 1 else None)
                 if d is not None:
-                    from common.tokenizer import load_tokenizer
+                    from zeroserve.common.tokenizer import load_tokenizer
 
                     tok = await asyncio.to_thread(load_tokenizer, d)
             if tok is None and required:
@@ -227,7 +227,7 @@ class Gateway:
 
     def _model_dirs(self) -> dict[str, str]:
         if self._tok_dirs is None:
-            from common.model_config import ModelConfig
+            from zeroserve.common.model_config import ModelConfig
 
             out = {}
             for d in self.cfg.models:
@@ -317,7 +317,7 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give prompt or messages (one of them)")
         if req.messages is not None:
-            from common.chat import chat_prompt
+            from zeroserve.common.chat import chat_prompt
 
             ids = (await asyncio.to_thread(chat_prompt, tok, [m.plain() for m in req.messages]))[1]
         else:
@@ -332,7 +332,7 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         return {"prompt": tok.decode(req.tokens)}
 
     if cfg.ui:
-        from services.gateway.console import add_console
+        from zeroserve.services.gateway.console import add_console
 
         add_console(app, gw)
     return Outer(app, cfg, gw)

@@ -24,18 +24,18 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from common.errors import InvalidRequest, ZeroserveError
-from common.log import get_logger
-from services.gateway.errors import (
+from zeroserve.common.errors import InvalidRequest, ZeroserveError
+from zeroserve.common.log import get_logger
+from zeroserve.services.gateway.errors import (
     APIError,
     BodyTooLarge,
     api_error,
     send_json,
     validation_error,
 )
-from common.tools import ToolStream
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.tools import assistant_message, tool_parser
+from zeroserve.common.tools import ToolStream
+from zeroserve.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from zeroserve.services.gateway.tools import assistant_message, tool_parser
 
 log = get_logger("gateway")
 

@@ -20,8 +20,8 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from common.errors import ZeroserveError
-from services.gateway.errors import api_error
+from zeroserve.common.errors import ZeroserveError
+from zeroserve.services.gateway.errors import api_error
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -37,7 +37,7 @@ def _load_static() -> dict[str, tuple[bytes, str]]:
     """Every static file, read once (tens of kB): name -> (bytes, content type). Only these
     names are ever served, so no request path reaches the file system."""
     out = {}
-    for f in resources.files("services.gateway").joinpath("static").iterdir():
+    for f in resources.files("zeroserve.services.gateway").joinpath("static").iterdir():
         ext = f.name[f.name.rfind("."):]
         if f.is_file() and ext in TYPES:
             out[f.name] = (f.read_bytes(), TYPES[ext])

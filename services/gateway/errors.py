@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from common.errors import (
+from zeroserve.common.errors import (
     ClusterUnavailable,
     InvalidRequest,
     Overloaded,

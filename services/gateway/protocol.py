@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.errors import InvalidRequest
-from common.log import LogBudget, get_logger
-from common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
-from common.tools import ToolSpec, check_tools
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.log import LogBudget, get_logger
+from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
+from zeroserve.common.tools import ToolSpec, check_tools
 
 NonNegInt = Annotated[int, Field(ge=0)]
 log = get_logger("gateway")

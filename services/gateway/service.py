@@ -7,9 +7,9 @@ from __future__ import annotations
 import signal
 import sys
 
-from common.config import GatewayArgs, from_cli_args
-from common.log import get_logger, setup_logging
-from common.priority import set_nice
+from zeroserve.common.config import GatewayArgs, from_cli_args
+from zeroserve.common.log import get_logger, setup_logging
+from zeroserve.common.priority import set_nice
 
 log = get_logger("gateway")
 
@@ -29,7 +29,7 @@ def serve(cfg: GatewayArgs) -> int:
         print(e, file=sys.stderr, flush=True)
         return 1
 
-    from services.gateway.app import create_app
+    from zeroserve.services.gateway.app import create_app
 
     app = create_app(cfg)
     log.info("gateway starting", url=f"http://{cfg.host}:{cfg.port}", scheduler=cfg.scheduler,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.errors import APIError
+from zeroserve.services.gateway.errors import APIError
 
 
 async def tool_parser(gw, model: str) -> str:

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import InvalidRequest
-from common.sampling_params import INT32_MAX, SamplingParams
-from services.scheduler.request import Request
-from services.scheduler.structured import Constraint
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.sampling_params import INT32_MAX, SamplingParams
+from zeroserve.services.scheduler.request import Request
+from zeroserve.services.scheduler.structured import Constraint
 
 EMPTY_PROMPT = "the prompt is empty; send some text or token ids"
 MAX_PROMPT_TEXT_BYTES = 8 << 20  # a text prompt (or a conversation's contents) is refused above this, untokenized

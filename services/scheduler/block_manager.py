@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from services.scheduler.request import Request
+from zeroserve.services.scheduler.request import Request
 
 
 def _cdiv(a: int, b: int) -> int:

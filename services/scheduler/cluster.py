@@ -23,27 +23,27 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from common import messages as P
-from common.codec import check_version
-from common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
-from common.log import LogBudget, get_logger
-from common.sampling_params import with_model_defaults
-from services.scheduler.admission import (
+from zeroserve.common import messages as P
+from zeroserve.common.codec import check_version
+from zeroserve.common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
+from zeroserve.common.log import LogBudget, get_logger
+from zeroserve.common.sampling_params import with_model_defaults
+from zeroserve.services.scheduler.admission import (
     check_params_for_model,
     check_prompt_ids,
     check_text_size,
     fan_out,
     split_prompt,
 )
-from services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
-from services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
-from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.outbox import Outbox
-from services.scheduler.request import Request
+from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
+from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
+from zeroserve.services.scheduler.metrics import SchedulerMetrics
+from zeroserve.services.scheduler.outbox import Outbox
+from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from common.config import SchedulerConfig
-    from common.model_config import ModelConfig
+    from zeroserve.common.config import SchedulerConfig
+    from zeroserve.common.model_config import ModelConfig
 
 log = get_logger("scheduler")
 _PEER_ERROR_LOG = LogBudget("peer error / second detokenizer")  # hostile peers send these by the thousand

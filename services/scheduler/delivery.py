@@ -18,13 +18,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common import messages as P
-from common.errors import InvalidRequest
-from common.log import get_logger
-from common.sampling_params import SamplingParams
-from services.scheduler.outbox import Outbox
-from services.scheduler.policy import TokenEvent
-from services.scheduler.request import Request
+from zeroserve.common import messages as P
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.log import get_logger
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.services.scheduler.outbox import Outbox
+from zeroserve.services.scheduler.policy import TokenEvent
+from zeroserve.services.scheduler.request import Request
 
 log = get_logger("scheduler")
 

@@ -17,19 +17,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from common import messages as P
-from common.errors import InvalidRequest
-from common.log import LogBudget, get_logger
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.outbox import Outbox
-from services.scheduler.policy import Scheduler as Policy
-from services.scheduler.policy import TokenEvent
-from services.scheduler.speculative import check_spec_result
-from services.scheduler.request import Request
+from zeroserve.common import messages as P
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.log import LogBudget, get_logger
+from zeroserve.services.scheduler.block_manager import BlockManager
+from zeroserve.services.scheduler.outbox import Outbox
+from zeroserve.services.scheduler.policy import Scheduler as Policy
+from zeroserve.services.scheduler.policy import TokenEvent
+from zeroserve.services.scheduler.speculative import check_spec_result
+from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from common.config import SchedulerConfig
-    from services.scheduler.cluster import ModelInfo
+    from zeroserve.common.config import SchedulerConfig
+    from zeroserve.services.scheduler.cluster import ModelInfo
 
 log = get_logger("scheduler")
 _REFUSED_LOG = LogBudget("refused a peer")  # hostile peers can send these by the thousand

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()  # no *_created series (vLLM has none either); this process's registries only
 
 if TYPE_CHECKING:
-    from services.scheduler.delivery import Delivery, Live, Seq
+    from zeroserve.services.scheduler.delivery import Delivery, Live, Seq
 
 PREFIX = "zeroserve:"
 MODEL = ["model_name"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from common.messages import Message
+from zeroserve.common.messages import Message
 
 CLIENT, BACKEND, STEPS, EVENTS = "client", "backend", "steps", "events"  # the four sockets
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from common.errors import InvalidRequest
-from services.scheduler.admission import check_prompt_length
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.services.scheduler.admission import check_prompt_length
 import numpy as np
 
-from common.messages import CachedRequests, NewRequest, Step, StepResult
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request, Status
-from services.scheduler.speculative import SpecStats, lookahead_for, result_tokens
-from services.scheduler.structured import new_bitmask
+from zeroserve.common.messages import CachedRequests, NewRequest, Step, StepResult
+from zeroserve.services.scheduler.block_manager import BlockManager
+from zeroserve.services.scheduler.request import Request, Status
+from zeroserve.services.scheduler.speculative import SpecStats, lookahead_for, result_tokens
+from zeroserve.services.scheduler.structured import new_bitmask
 
 
 class GrammarViolation(InvalidRequest):

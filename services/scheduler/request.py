@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from common.sampling_params import SamplingParams
+from zeroserve.common.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

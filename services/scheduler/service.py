@@ -20,19 +20,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from common import messages as P
-from common.chat import chat_prompt, load_chat_template
-from common.tool_parsers import PARSERS, parser_for_template
-from common.codec import ProtocolError, group_topic, v1_refusal
-from common.config import SchedulerConfig, from_cli_args
-from common.curve import curve_server_keys, start_authenticator
-from common.errors import InvalidRequest, ZeroserveError
-from common.log import LogBudget, get_logger
-from common.memory import Trimmer, freeze_startup_heap
-from common.transport import Channel, is_loopback, make_socket
-from services.scheduler.cluster import Cluster, ModelInfo
-from services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
-from services.scheduler.structured import GrammarCompiler
+from zeroserve.common import messages as P
+from zeroserve.common.chat import chat_prompt, load_chat_template
+from zeroserve.common.tool_parsers import PARSERS, parser_for_template
+from zeroserve.common.codec import ProtocolError, group_topic, v1_refusal
+from zeroserve.common.config import SchedulerConfig, from_cli_args
+from zeroserve.common.curve import curve_server_keys, start_authenticator
+from zeroserve.common.errors import InvalidRequest, ZeroserveError
+from zeroserve.common.log import LogBudget, get_logger
+from zeroserve.common.memory import Trimmer, freeze_startup_heap
+from zeroserve.common.transport import Channel, is_loopback, make_socket
+from zeroserve.services.scheduler.cluster import Cluster, ModelInfo
+from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
+from zeroserve.services.scheduler.structured import GrammarCompiler
 
 log = get_logger("scheduler")
 
@@ -47,7 +47,7 @@ def load_models(dirs: list[str], generation_config: str = "auto") -> dict[str, M
     """The served models' configs and sampling defaults (cheap; a directory we cannot serve fails
     here, at start). Their tokenizers load in the background (`SchedulerService`): transformers
     takes seconds to import, and a restarted scheduler must answer pings and HELLOs at once."""
-    from common.model_config import ModelConfig, resolve_sampling_defaults
+    from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
 
     models = {}
     for d in dirs:
@@ -142,7 +142,7 @@ class SchedulerService:
         self.bad_log = LogBudget("bad message")  # a flood of garbage writes a few lines, not one per frame
         self.metrics_server = None
         if cfg.metrics_port:  # Prometheus over HTTP, in a thread of its own (services/scheduler/metrics.py)
-            from services.scheduler.metrics import serve_http
+            from zeroserve.services.scheduler.metrics import serve_http
 
             try:
                 self.metrics_server, _ = serve_http(self.cluster.metrics, cfg.host, cfg.metrics_port)
@@ -260,7 +260,7 @@ class SchedulerService:
 
     @staticmethod
     def _load_tokenizer(name: str, model_dir: str):
-        from common.tokenizer import load_tokenizer
+        from zeroserve.common.tokenizer import load_tokenizer
 
         try:
             tok = load_tokenizer(model_dir)
@@ -318,7 +318,7 @@ class SchedulerService:
 
 
 def main(args) -> int:
-    from common.log import setup_logging
+    from zeroserve.common.log import setup_logging
 
     setup_logging(service="scheduler")
     cfg = from_cli_args(SchedulerConfig, args)

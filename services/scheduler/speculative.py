@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.messages import StepResult
-from services.scheduler.request import Request
+from zeroserve.common.messages import StepResult
+from zeroserve.services.scheduler.request import Request
 
 
 def speculates(req: Request) -> bool:

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import InvalidRequest
-from common.sampling_params import StructuredOutputsParams
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.sampling_params import StructuredOutputsParams
 
 CACHE_LIMIT_BYTES = 512 << 20  # compiled grammars kept per model (xgrammar evicts LRU past it)
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.errors import InvalidRequest
-from common.model_config import ModelConfig
-from kernels import AttentionMetadata
-from services.worker.model import load_model
-from services.worker.sampler import SamplingTensors, sample
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.kernels.metadata import AttentionMetadata
+from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker.sampler import SamplingTensors, sample
 
 
 class DraftProposer:

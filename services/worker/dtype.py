@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from common.errors import ModelLoadError
-from common.log import get_logger
-from common.model_config import ModelConfig
-from kernels import cpu_native
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.log import get_logger
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.kernels import cpu_native
 
 log = get_logger("worker.dtype")
 

@@ -2,7 +2,7 @@
 (kernels/bf16.py), and from how many rows of a step on.
 
 - ``float32``: never (the exact reference path).
-- ``bfloat16``: from kernels.bf16.DEFAULT_MIN_ROWS rows on, measured or not (emulated, and slow,
+- ``bfloat16``: from zeroserve.kernels.bf16.DEFAULT_MIN_ROWS rows on, measured or not (emulated, and slow,
   on a CPU without native bf16; for testing there).
 - ``auto``: only on a CPU with bf16 in its instruction set (AVX-512 BF16 / AMX / aarch64 BF16,
   read from /proc/cpuinfo at run time), an fp32 model on one CPU worker (tensor-parallel shards
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import ModelLoadError
-from common.log import get_logger
-from kernels import AttentionMetadata, bf16, cpu_native
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.log import get_logger
+from zeroserve.kernels.metadata import AttentionMetadata
+from zeroserve.kernels import bf16, cpu_native
 
 log = get_logger("worker.matmul_dtype")
 

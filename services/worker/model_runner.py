@@ -12,16 +12,17 @@ import time
 import numpy as np
 import torch
 
-from common.config import EngineArgs
-from common.messages import Step, StepResult
-from common.model_config import ModelConfig
-from common.sampling_params import SamplingParams
-from kernels import AttentionMetadata, get_ops, resolve_backend
-from services.worker import matmul_probe
-from services.worker.dtype import resolve_dtype, resolve_kv_dtype
-from services.worker.model import load_model
-from services.worker.sampler import SamplingTensors, sample
-from services.worker.spec_decode import accepted_length, make_speculator, sample_positions
+from zeroserve.common.config import EngineArgs
+from zeroserve.common.messages import Step, StepResult
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.kernels.metadata import AttentionMetadata
+from zeroserve.kernels.dispatch import get_ops, resolve_backend
+from zeroserve.services.worker import matmul_probe
+from zeroserve.services.worker.dtype import resolve_dtype, resolve_kv_dtype
+from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker.sampler import SamplingTensors, sample
+from zeroserve.services.worker.spec_decode import accepted_length, make_speculator, sample_positions
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import NamedTuple
 
-from common.errors import InvalidRequest
+from zeroserve.common.errors import InvalidRequest
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.sampling_params import _GREEDY_EPS, SamplingParams
-from kernels.token_bitmask import apply_token_bitmask_
+from zeroserve.common.sampling_params import _GREEDY_EPS, SamplingParams
+from zeroserve.kernels.token_bitmask import apply_token_bitmask_
 
 __all__ = ["SamplingTensors", "SamplerOutput", "sample", "random_uniform", "GREEDY_EPS"]
 

@@ -5,7 +5,7 @@ WELCOME with the step PUB address (and, for tensor parallelism, rank 0's torch.d
 address), subscribe to the group's topic and acknowledge the scheduler's probe. Then every
 `Step` on the topic is applied to the runner's per-request state and computed; shard 0 answers
 with the sampled tokens. Joining, heartbeats (from a thread with its own socket, so a long step
-never looks like death) and noticing a restarted scheduler are `services.backend_peer`'s; on a
+never looks like death) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s; on a
 rejoin the shard drops its state and joins again (a tensor-parallel shard exits EXIT_RESYNC:
 its group's collectives are gone). SIGTERM drains: the group takes no new work, finishes what
 it runs, and the shard exits 0.
@@ -23,19 +23,19 @@ import psutil
 import torch
 import zmq
 
-from common import messages as P
-from common.codec import ProtocolError, group_topic
-from common.config import EngineArgs, WorkerArgs, from_cli_args
-from common.curve import curve_client_keys
-from common.errors import ZeroserveError
-from common.log import get_logger, setup_logging
-from common.memory import freeze_startup_heap
-from common.model_config import ModelConfig
-from common.transport import Channel, free_port, make_socket
-from services.backend_peer import BackendPeer, Refused
-from services.tiny_model import default_model_dir
-from services.worker import netif
-from services.worker.model_runner import ModelRunner
+from zeroserve.common import messages as P
+from zeroserve.common.codec import ProtocolError, group_topic
+from zeroserve.common.config import EngineArgs, WorkerArgs, from_cli_args
+from zeroserve.common.curve import curve_client_keys
+from zeroserve.common.errors import ZeroserveError
+from zeroserve.common.log import get_logger, setup_logging
+from zeroserve.common.memory import freeze_startup_heap
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.common.transport import Channel, free_port, make_socket
+from zeroserve.services.backend_peer import BackendPeer, Refused
+from zeroserve.services.tiny_model import default_model_dir
+from zeroserve.services.worker import netif
+from zeroserve.services.worker.model_runner import ModelRunner
 
 log = get_logger("worker")
 

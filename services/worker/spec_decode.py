@@ -180,7 +180,7 @@ def make_speculator(args, runner) -> Speculator | None:
     k = args.num_speculative_tokens
     if method == "ngram":
         return Speculator(k, NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max))
-    from services.worker.draft_model import DraftProposer
+    from zeroserve.services.worker.draft_model import DraftProposer
 
     return Speculator(k, DraftProposer(args.speculative_model, runner))
 

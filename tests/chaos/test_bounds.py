@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import messages as P
-from common.errors import InvalidRequest
-from services.scheduler.admission import MAX_PROMPT_TEXT_BYTES, split_prompt
-from services.scheduler.groups import GroupState
+from zeroserve.common import messages as P
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.services.scheduler.admission import MAX_PROMPT_TEXT_BYTES, split_prompt
+from zeroserve.services.scheduler.groups import GroupState
 from tests.scheduler_sim import CLIENT_ID, MODEL, Net, group_of, make_cluster, prompt
 
 
@@ -43,7 +43,7 @@ def test_implausible_capacities_are_refused_with_a_reason():
 
 
 def test_joining_groups_are_bounded():
-    from services.scheduler import groups as G
+    from zeroserve.services.scheduler import groups as G
 
     c = make_cluster()
     net = Net(c)
@@ -153,7 +153,7 @@ def test_a_claim_above_max_kv_blocks_is_refused_with_the_knob_named():
 @pytest.mark.parametrize("addr", ["tcp://:7001", "tcp://host", "tcp://*:7001", "tcp://h:0", "tcp://h:x1",
                                   "udp://h:7001", "h:7001", "tcp://[]:7001"])
 def test_a_malformed_scheduler_address_is_refused_at_the_boundary(addr):
-    from common.config import WorkerArgs, check_connect_address
+    from zeroserve.common.config import WorkerArgs, check_connect_address
 
     with pytest.raises(InvalidRequest, match="expected tcp://HOST:PORT"):
         WorkerArgs(scheduler=addr)
@@ -165,7 +165,7 @@ def test_a_malformed_scheduler_address_is_refused_at_the_boundary(addr):
 def test_worker_with_an_empty_host_exits_with_the_reason_instead_of_saying_hello_forever():
     import subprocess
 
-    r = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--scheduler", "tcp://:7001"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "worker", "--scheduler", "tcp://:7001"], cwd=ROOT,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--scheduler 'tcp://:7001': no host" in r.stderr

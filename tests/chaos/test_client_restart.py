@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import zmq
 
-from common import codec
-from common import messages as P
-from common.errors import ClusterUnavailable
-from common.transport import bind_free_port
+from zeroserve.common import codec
+from zeroserve.common import messages as P
+from zeroserve.common.errors import ClusterUnavailable
+from zeroserve.common.transport import bind_free_port
 from zeroserve import AsyncClient
 
 

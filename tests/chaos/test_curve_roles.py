@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import codec  # noqa: E402
-from common import messages as P  # noqa: E402
-from common.curve import create_curve_keys, curve_client_keys  # noqa: E402
-from common.transport import Channel, make_socket  # noqa: E402
+from zeroserve.common import codec  # noqa: E402
+from zeroserve.common import messages as P  # noqa: E402
+from zeroserve.common.curve import create_curve_keys, curve_client_keys  # noqa: E402
+from zeroserve.common.transport import Channel, make_socket  # noqa: E402
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: E402, F401 (fixture)
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: E402, F401 (fixture)
 
@@ -136,7 +136,7 @@ def test_a_client_key_reads_no_steps(cluster, keys, reference, ctx):
 
 @pytest.mark.timeout(300)
 def test_a_worker_key_on_the_client_port_is_refused(cluster, keys, reference, ctx):
-    from common.sampling_params import SamplingParams
+    from zeroserve.common.sampling_params import SamplingParams
 
     posing = _dealer(ctx, cluster.address, curve_client_keys(keys, role="worker"), b"posing")
     posing.try_send(P.Ping(nonce=7))  # try_send: a refused DEALER has no pipe left to queue on

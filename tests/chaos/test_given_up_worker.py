@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.sampling_params import SamplingParams
+from zeroserve.common.sampling_params import SamplingParams
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir
 
@@ -60,9 +60,9 @@ def test_a_given_up_worker_is_told_so_and_rejoins_the_same_scheduler():
 
 
 def test_the_scheduler_answers_a_given_up_worker_with_why_and_remembers_a_bounded_number():
-    from common import messages as P
-    from services.scheduler import groups as G
-    from services.scheduler.outbox import Outbox
+    from zeroserve.common import messages as P
+    from zeroserve.services.scheduler import groups as G
+    from zeroserve.services.scheduler.outbox import Outbox
     from tests.scheduler_sim import Net, make_cluster
 
     c = make_cluster()

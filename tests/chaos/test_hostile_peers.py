@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import codec
-from common import messages as P
+from zeroserve.common import codec
+from zeroserve.common import messages as P
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir, tie_free, torch_single_thread  # noqa: F401 (fixture)
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.transport import free_port, free_port_block
+from zeroserve.common.transport import free_port, free_port_block
 from tests.cluster import SESSION_ENV, SESSION_TAG, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir
 
@@ -73,7 +73,7 @@ def test_scheduler_sigkill_under_up_fails_streams_fast_and_serves_after(tmp_path
     address = f"tcp://127.0.0.1:{port}"
     log = open(tmp_path / "up.log", "wb")
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **{SESSION_ENV: SESSION_TAG})
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", str(cached_model_dir("llama")),
+    up = subprocess.Popen([sys.executable, "-m", "zeroserve.services.cli", "up", "--model", str(cached_model_dir("llama")),
                            "--port", str(port), "--gateway-port", str(free_port()), "--workers", "1", "--threads", "1",
                            "--num-kv-blocks", "256"],
                           env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kernels import AttentionMetadata
+from zeroserve.kernels.metadata import AttentionMetadata
 
 
 def make_cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:

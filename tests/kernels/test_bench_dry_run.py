@@ -48,7 +48,7 @@ def test_dry_run_composed_model(capsys):
 def test_composed_step_shapes():
     import torch
 
-    from kernels import torch_ops
+    from zeroserve.kernels import torch_ops
 
     bk = _load()
     ms = bk.ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=48,

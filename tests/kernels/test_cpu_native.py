@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_native, cpu_ops, get_ops, torch_ops
+from zeroserve.kernels.dispatch import get_ops
+from zeroserve.kernels import cpu_native, cpu_ops, torch_ops
 from tests.kernels._ref import make_paged_batch, naive_paged_attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +109,7 @@ def test_backend_dispatch():
 def test_turned_off_or_without_compiler_falls_back(tmp_path):
     """ZEROSERVE_CPU_NATIVE=0 or no compiler: the op set serves through the twin and says why."""
     code = (
-        "import torch; from kernels import cpu_native, cpu_ops, torch_ops\n"
+        "import torch; from zeroserve.kernels import cpu_native, cpu_ops, torch_ops\n"
         "from tests.kernels._ref import make_paged_batch\n"
         "q, kc, vc, m = make_paged_batch([5, 20], [1, 1], 4, 2, 16, 16)\n"
         "assert not cpu_native.available()\n"
@@ -144,7 +145,7 @@ def test_norms_match_twin(t, h):
 @ops_native
 @pytest.mark.parametrize("rot", [64, 32])
 def test_rotary_is_the_twin_bit_for_bit(rot):
-    from services.worker.model.layers import build_cos_sin_cache
+    from zeroserve.services.worker.model.layers import build_cos_sin_cache
 
     g = torch.Generator().manual_seed(rot)
     qkv = torch.randn(5, 9 * 64 + 2 * 3 * 64, generator=g)  # q, k as strided views of one qkv row

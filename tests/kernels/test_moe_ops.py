@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import get_ops
-from kernels import moe as M
+from zeroserve.kernels.dispatch import get_ops
+from zeroserve.kernels import moe as M
 
 DEV = "cuda" if os.environ.get("ZEROSERVE_TEST_GPU") else "cpu"
 
@@ -84,7 +84,7 @@ def test_ops_namespaces_expose_fused_moe():
 @pytest.mark.parametrize("t,e,k,start,local", [(1, 4, 2, 0, 4), (13, 8, 2, 0, 8), (40, 6, 3, 3, 3)])
 def test_triton_fused_moe_matches_twin(t, e, k, start, local):
     pytest.importorskip("triton")
-    from kernels import triton_ops
+    from zeroserve.kernels import triton_ops
 
     x, w13, w2, logits = _case(t=t, e=e)
     w, ids = M.route(logits, k, False)
@@ -97,7 +97,7 @@ def test_triton_fused_moe_matches_twin(t, e, k, start, local):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_fused_moe_half_precision(dtype):
     pytest.importorskip("triton")
-    from kernels import triton_ops
+    from zeroserve.kernels import triton_ops
 
     x, w13, w2, logits = _case(t=9, e=4)
     w, ids = M.route(logits, 2, True)

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, quant
-from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
+from zeroserve.kernels import cpu_native, quant
+from zeroserve.kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 ROOT = Path(__file__).resolve().parents[2]
 GGUF_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12}
@@ -237,8 +237,8 @@ def test_turned_off_or_without_compiler_falls_back(tmp_path):
     """ZEROSERVE_CPU_NATIVE=0 or no compiler: linear is the twin exactly, and says why."""
     code = (
         "import torch, torch.nn.functional as F\n"
-        "from kernels import cpu_native\n"
-        "from kernels.quant import quantize_int4\n"
+        "from zeroserve.kernels import cpu_native\n"
+        "from zeroserve.kernels.quant import quantize_int4\n"
         "qw = quantize_int4(torch.randn(16, 64), 32)\n"
         "x = torch.randn(3, 64)\n"
         "assert cpu_native.quant_lib() is None\n"

@@ -15,7 +15,7 @@ import ctypes
 import pytest
 import torch
 
-from kernels import cpu_native, quant
+from zeroserve.kernels import cpu_native, quant
 from tests.kernels.test_quant import check_close, make_weight, native
 
 

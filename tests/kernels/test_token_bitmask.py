@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_torch_, unpack_bitmask
+from zeroserve.kernels import cpu_native
+from zeroserve.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_torch_, unpack_bitmask
 
 
 def _mask(allowed: np.ndarray) -> torch.Tensor:

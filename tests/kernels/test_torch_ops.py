@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import torch_ops as ops
+from zeroserve.kernels import torch_ops as ops
 from tests.kernels._ref import make_cos_sin_cache, make_paged_batch, naive_paged_attention
 
 

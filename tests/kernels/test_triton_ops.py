@@ -19,9 +19,9 @@ import os
 import pytest
 import torch
 
-from kernels import AttentionMetadata
-from kernels import torch_ops as ref_ops
-from kernels import triton_ops as tri
+from zeroserve.kernels.metadata import AttentionMetadata
+from zeroserve.kernels import torch_ops as ref_ops
+from zeroserve.kernels import triton_ops as tri
 from tests.kernels._ref import make_cos_sin_cache, make_paged_batch, naive_paged_attention
 
 pytest.importorskip("triton")
@@ -206,7 +206,7 @@ def test_padding_rows_are_zero_and_finite():
 
 
 def test_get_ops_dispatch():
-    from kernels import get_ops
+    from zeroserve.kernels.dispatch import get_ops
 
     assert get_ops("triton", "cpu") is tri
     assert get_ops("torch", "cpu") is ref_ops

@@ -6,7 +6,7 @@
     logits = model.compute_logits(hidden[N, H])                      # -> [N, vocab] float32
 
 `kv_caches[i] = (k_cache, v_cache)`, each `[num_blocks, block_size, model.num_kv_heads, model.head_dim]`
-(num_kv_heads is per tensor-parallel shard). `ops = kernels.get_ops(backend, device)`.
+(num_kv_heads is per tensor-parallel shard). `ops = zeroserve.kernels.dispatch.get_ops(backend, device)`.
 
 `quantization` (services/worker/model/quantize.py): None/"auto" keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K
 weights packed (safetensors: floats), "none" dequantizes everything at load, "int8"/"int4"
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from common.errors import ModelLoadError
-from common.model_config import ModelConfig, resolve_model_path
-from services.worker.model.llama import CausalLM
-from services.worker.model.loader import load_weights
-from services.worker.model.quantize import QUANTIZATIONS, resolve_quantization
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.model_config import ModelConfig, resolve_model_path
+from zeroserve.services.worker.model.llama import CausalLM
+from zeroserve.services.worker.model.loader import load_weights
+from zeroserve.services.worker.model.quantize import QUANTIZATIONS, resolve_quantization
 
 __all__ = ["QUANTIZATIONS", "CausalLM", "build_model", "load_model"]
 
@@ -75,7 +75,7 @@ def load_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int =
     model = build_model(cfg, device, dtype, ops, tp_rank, tp_size, tp_group, init="empty",
                         expert_parallel=expert_parallel)
     if kind == "gguf":  # imported here: only GGUF models need the gguf package
-        from services.worker.model.gguf_loader import load_gguf_weights
+        from zeroserve.services.worker.model.gguf_loader import load_gguf_weights
 
         load_gguf_weights(model, path, quantization)
     else:

@@ -20,8 +20,9 @@ import os
 
 import torch
 
-from kernels import AttentionMetadata, bf16, cpu_native
-from kernels.quant import FLOAT_MATMUL_MIN_ROWS, QuantizedWeight
+from zeroserve.kernels.metadata import AttentionMetadata
+from zeroserve.kernels import bf16, cpu_native
+from zeroserve.kernels.quant import FLOAT_MATMUL_MIN_ROWS, QuantizedWeight
 
 # word layout of decode_step.c's descriptor (its enums)
 G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16_ROWS, G_WORDS = 13, 14, 15, 16, 17
@@ -79,7 +80,7 @@ class CpuDecodeStep:
     @classmethod
     def build(cls, model) -> CpuDecodeStep | None:
         """The step for `model`, or None when it does not qualify (see the module docstring)."""
-        from kernels import cpu_ops
+        from zeroserve.kernels import cpu_ops
 
         if (_turned_off() or model.ops is not cpu_ops or model.device.type != "cpu" or model.dtype != torch.float32
                 or model.tp.size != 1 or not model.cfg.llama_shape or model.cfg.is_moe or model.cfg.qk_norm_full):

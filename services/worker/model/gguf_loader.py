@@ -29,13 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.errors import ModelLoadError
-from common.gguf_config import GGUFFile, GGUFTensor, open_gguf
-from common.log import get_logger
-from kernels.quant import QuantizedWeight
-from services.worker.model import quantize as Q
-from services.worker.model.layers import WeightSource
-from services.worker.model.loader import _slice_index, _zero_vocab_padding
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.gguf_config import GGUFFile, GGUFTensor, open_gguf
+from zeroserve.common.log import get_logger
+from zeroserve.kernels.quant import QuantizedWeight
+from zeroserve.services.worker.model import quantize as Q
+from zeroserve.services.worker.model.layers import WeightSource
+from zeroserve.services.worker.model.loader import _slice_index, _zero_vocab_padding
 
 log = get_logger("worker.model.gguf")
 

@@ -1,5 +1,5 @@
 """Building blocks of the decoder: tensor-parallel linears, vocab-parallel embedding / LM head,
-RMSNorm and rotary embedding. Numerics go through the `ops` namespace (kernels.get_ops) so the
+RMSNorm and rotary embedding. Numerics go through the `ops` namespace (zeroserve.kernels.dispatch.get_ops) so the
 same module runs the torch twins on CPU and the Triton kernels on GPU.
 
 Tensor parallelism (Megatron style): column-parallel layers hold a slice of the output rows and
@@ -10,7 +10,7 @@ exactly this shard's slice of the checkpoint tensor.
 
 Quantized weights: every linear (and the embedding / LM head) is a `QuantizableWeight`: it holds
 either the float `weight` parameter or, after `set_quantized(qw)`, a packed
-`kernels.quant.QuantizedWeight` of the same shard (the float parameter is dropped). The matmul
+`zeroserve.kernels.quant.QuantizedWeight` of the same shard (the float parameter is dropped). The matmul
 then reads the packed bytes through `QuantizedWeight.linear` (the compiled kernel on CPU,
 dequantize-then-matmul elsewhere). With bf16 panels attached (kernels/bf16.py) a step of
 enough rows multiplies on a bf16 copy instead, the exact weight kept for the others. A
@@ -30,9 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common.errors import ModelLoadError
-from kernels import bf16
-from kernels.quant import QuantizedWeight
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.kernels import bf16
+from zeroserve.kernels.quant import QuantizedWeight
 
 
 @dataclass(frozen=True)

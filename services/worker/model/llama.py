@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model_config import ModelConfig
-from services.worker.model.layers import (
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.services.worker.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QuantizableWeight,
@@ -29,7 +29,7 @@ from services.worker.model.layers import (
     WeightSource,
     divide,
 )
-from services.worker.model.moe import ShardedRMSNorm, SparseMoeBlock, moe_prefix
+from zeroserve.services.worker.model.moe import ShardedRMSNorm, SparseMoeBlock, moe_prefix
 
 
 class Attention(nn.Module):
@@ -211,7 +211,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype)
         layer_cls = DecoderLayer
         if cfg.norm_layout != "pre":
-            from services.worker.model.post_norm import PostNormDecoderLayer as layer_cls
+            from zeroserve.services.worker.model.post_norm import PostNormDecoderLayer as layer_cls
         self.layers = nn.ModuleList(
             layer_cls(cfg, i, self.tp, ops,
                       self.rotary_local if self.rotary_local is not None and cfg.layer_window(i) else self.rotary,
@@ -254,7 +254,7 @@ class CausalLM(nn.Module):
         """The compiled decode step for this model (built on first use, after the weights are
         loaded and packed), or None where it does not apply."""
         if not hasattr(self, "_step"):
-            from services.worker.model.cpu_step import CpuDecodeStep
+            from zeroserve.services.worker.model.cpu_step import CpuDecodeStep
 
             self._step = CpuDecodeStep.build(self)
         return self._step

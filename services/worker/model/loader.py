@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.errors import ModelLoadError
-from services.worker.model.layers import WeightSource
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.services.worker.model.layers import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -64,13 +64,13 @@ def load_weights(model, model_dir: str | Path, quantization: str | None = None) 
     """Fill every parameter of `model` from the safetensors files in `model_dir`; with
     quantization "int8"/"int4" each linear is quantized as soon as its slice is read
     (services/worker/model/quantize.py)."""
-    from services.worker.model import quantize as Q
+    from zeroserve.services.worker.model import quantize as Q
 
     quantization = Q.resolve_quantization(quantization)
     targets = Q.int_targets(model, quantization)
     files = weight_files(model_dir)
     if model.cfg.is_moe:  # experts per expert (save_pretrained) or fused 3-D (transformers' modules)
-        from services.worker.model.moe import use_fused_experts
+        from zeroserve.services.worker.model.moe import use_fused_experts
 
         use_fused_experts(model, files)
     params = dict(model.named_parameters())

@@ -3,7 +3,7 @@
     block = SparseMoeBlock(cfg, "model.layers.3.mlp", tp, ops, device, dtype, expert_parallel=False)
     y = block(x)                                    # x [T, H] -> [T, H], all-reduced over the group
 
-Routing (kernels.moe.route): softmax over every expert in fp32, top k, renormalized (Mixtral;
+Routing (zeroserve.kernels.moe.route): softmax over every expert in fp32, top k, renormalized (Mixtral;
 Qwen3-MoE / OLMoE when `norm_topk_prob`) - as the three families' transformers routers do. The
 router weight is replicated and kept float on every shard, so all shards route alike.
 
@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.errors import ModelLoadError
-from common.model_config import ModelConfig
-from kernels.moe import expert_groups, route, single_token_routes
-from services.worker.model.layers import (
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.kernels.moe import expert_groups, route, single_token_routes
+from zeroserve.services.worker.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPInfo,

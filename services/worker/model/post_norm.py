@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from common.model_config import ModelConfig
-from services.worker.model.layers import RMSNorm, TPInfo, WeightSource
-from services.worker.model.llama import MLP, Attention
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.services.worker.model.layers import RMSNorm, TPInfo, WeightSource
+from zeroserve.services.worker.model.llama import MLP, Attention
 
 
 class PostNormDecoderLayer(nn.Module):

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import torch
 
-from common.errors import ModelLoadError
-from common.log import get_logger
-from kernels.quant import GGML_TYPES, quantize_int4, quantize_int8
-from services.worker.model.layers import (
+from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.log import get_logger
+from zeroserve.kernels.quant import GGML_TYPES, quantize_int4, quantize_int8
+from zeroserve.services.worker.model.layers import (
     ParallelLMHead,
     QuantizableWeight,
     RowParallelLinear,

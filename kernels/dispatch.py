@@ -1,4 +1,5 @@
-"""Kernels: Triton kernels for GPUs and their torch twins, behind one dispatch point.
+"""The one dispatch point for the kernels: Triton kernels on GPUs, the C kernels (with their torch
+fallbacks) on CPUs, and the pure-torch reference twins every kernel is tested against.
 
 `get_ops(backend, device)` returns a module exposing the op set documented in
 docs/architecture.md. Nothing here touches CUDA at import time, so the package imports on
@@ -7,24 +8,11 @@ machines without a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from common.config import ATTENTION_BACKENDS as BACKENDS
-
-
-@dataclass
-class AttentionMetadata:
-    """Where every token of a flat batch lives in the paged KV cache."""
-
-    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; < 0 = padding
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
-    query_start_loc: torch.Tensor  # [B + 1] int32, row offsets of each request's queries
-    max_query_len: int
-    max_seq_len: int
+from zeroserve.common.config import ATTENTION_BACKENDS as BACKENDS
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -41,15 +29,15 @@ def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Module
     """Return the op namespace for `backend` ("auto" = triton on CUDA, cpu elsewhere)."""
     name = resolve_backend(backend, device)
     if name == "triton":
-        from kernels import triton_ops
+        from zeroserve.kernels import triton_ops
 
         return triton_ops
     if name == "cpu":
-        from kernels import cpu_native, cpu_ops
+        from zeroserve.kernels import cpu_native, cpu_ops
 
         cpu_native.available()  # build (or load the cached build) now, not inside the first step
 
         return cpu_ops
-    from kernels import torch_ops
+    from zeroserve.kernels import torch_ops
 
     return torch_ops

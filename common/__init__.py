@@ -1,1 +1,0 @@
-"""What every zeroserve process and the client share."""
