@@ -50,6 +50,7 @@ import collections
 import itertools
 import logging
 import os
+import weakref
 from typing import Any, Self
 
 import msgspec
@@ -106,6 +107,16 @@ class _Checked:
 
     def __init__(self, split: tuple) -> None:
         self.split = split
+
+
+def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, linger: int = 0) -> None:
+    """Close the client's socket and end its context, never waiting on the event loop (it may be
+    closed already) nor on unsent messages beyond `linger` ms."""
+    try:
+        sock.close(linger=linger)
+    except Exception:  # noqa: BLE001 (its loop is gone: close the socket underneath it)
+        zmq.Socket.close(sock, linger=linger)
+    ctx.term()
 
 
 class AsyncClient(LivenessMixin):
@@ -174,6 +185,10 @@ class AsyncClient(LivenessMixin):
                 raise InvalidRequest(f"cannot connect to {self.address}: {e}; give the scheduler's client address "
                                      "as tcp://HOST:PORT") from None
             self._loop, self._ctx, self._sock = loop, ctx, sock
+            # a client nobody closed must still release its socket when it is collected or the
+            # interpreter exits: pyzmq's Context.__del__ would term() with the socket open and
+            # block the process forever (a second asyncio.run in a script or notebook)
+            self._finalizer = weakref.finalize(self, _release, sock, ctx)
             self._last_rx = loop.time()
             self._live_evt = asyncio.Event()
             self._tasks = [loop.create_task(self._receiver(), name="zeroserve-client-recv"),
@@ -200,8 +215,8 @@ class AsyncClient(LivenessMixin):
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.close(linger=200 if live else 0)  # give the Aborts a moment to leave
-        self._ctx.term()
+        self._finalizer.detach()
+        _release(self._sock, self._ctx, linger=200 if live else 0)  # give the Aborts a moment to leave
 
     async def __aenter__(self) -> Self:
         return self
