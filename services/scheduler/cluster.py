@@ -26,14 +26,9 @@ from zeroserve.common import messages as P
 from zeroserve.common.codec import check_version
 from zeroserve.common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
 from zeroserve.common.log import LogBudget, get_logger
+from zeroserve.common.prompts import check_prompt_ids, check_text_size, split_prompt
 from zeroserve.common.sampling_params import with_model_defaults
-from zeroserve.services.scheduler.admission import (
-    check_params_for_model,
-    check_prompt_ids,
-    check_text_size,
-    fan_out,
-    split_prompt,
-)
+from zeroserve.services.scheduler.admission import check_params_for_model, fan_out
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
 from zeroserve.services.scheduler.metrics import SchedulerMetrics
