@@ -79,11 +79,15 @@ class Detokenizer:
             return None
         if isinstance(msg, P.DetokTokens):
             ids, texts, stops = [], [], []
-            for rid, toks, reason in zip(msg.req_ids, msg.per_request(), msg.finish_reasons):
+            # plain lists sliced by the counts: per-request arrays (np.split) and a tolist() each
+            # cost more than the decoding at a few tokens per request
+            flat, end = msg.token_ids.tolist(), 0
+            for rid, n, reason in zip(msg.req_ids, msg.counts.tolist(), msg.finish_reasons):
+                toks, end = flat[end:end + n], end + n
                 det = self.states.get(rid)
                 if det is None:
                     continue
-                delta = det.add_tokens(toks.tolist()) if len(toks) else None
+                delta = det.add_tokens(toks) if toks else None
                 text = delta.text_delta if delta else ""
                 stop = delta.stop_str if delta else None
                 if stop is None and reason is not None:
