@@ -312,7 +312,10 @@ def _run(args) -> int:
         args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
         return sched_main(args)
     if args.cmd == "worker":
+        from zeroserve.services.tiny_model import default_model_dir
         from zeroserve.services.worker.threads import configure
+
+        args.model = args.model or str(default_model_dir())
 
         configure(args.threads)  # before torch loads: OpenMP reads its environment once
         from zeroserve.services.worker.service import main as worker_main
@@ -324,6 +327,9 @@ def _run(args) -> int:
         return gateway_main(args)
     if args.cmd == "detokenizer":
         from zeroserve.services.detokenizer.service import main as detok_main
+        from zeroserve.services.tiny_model import default_model_dir
+
+        args.model = args.model or [str(default_model_dir())]
 
         return detok_main(args)
     if args.cmd == "status":

@@ -70,7 +70,7 @@ from zeroserve.common.outputs import RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
 from zeroserve.common.transport import make_socket, tcp_addr
-from zeroserve.services.scheduler.admission import split_prompt
+from zeroserve.common.prompts import split_prompt
 from zeroserve._request import (
     Conversation,
     StreamDelta,

@@ -29,7 +29,7 @@ from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
     from zeroserve.common.config import SchedulerConfig
-    from zeroserve.services.scheduler.cluster import ModelInfo
+    from zeroserve.services.scheduler.models import ModelInfo
 
 log = get_logger("scheduler")
 _REFUSED_LOG = LogBudget("refused a peer")  # hostile peers can send these by the thousand
