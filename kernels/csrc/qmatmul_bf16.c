@@ -228,8 +228,7 @@ static int run_bf16(const job_t *j, int id, int cnt) {
 static int bf16_job(job_t *job, BF16_ARGS) {
     const int gshift = check_args(fmt, scales, mins, group, T, N, K);
     if (gshift < 0) return -1;
-    *job = (job_t){.fmt = fmt, .gshift = gshift, .T = T, .N = N, .K = K, .w = w, .w_stride = w_stride,
-                   .s_stride = s_stride, .ldx = ldx, .ldy = ldy, .scales = scales, .mins = mins, .x = x, .y = y};
+    *job = make_job(fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K);
     return T == 0 || N == 0 ? 0 : team_size(T, N, K, threads);
 }
 
