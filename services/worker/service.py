@@ -139,6 +139,7 @@ class WorkerService:
                        tp_size=self.tp_size, model=self.model_cfg.name, device=self.device,
                        host=socket.gethostname(), pid=os.getpid(), num_kv_blocks=r.num_blocks,
                        block_size=r.block_size, num_lookahead_tokens=r.num_lookahead_tokens,
+                       numeric_mode=r.numeric_mode,
                        max_model_len=self.args.max_model_len or
                        self.model_cfg.max_position_embeddings, memory=mem,
                        dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None)
