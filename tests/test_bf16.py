@@ -117,9 +117,9 @@ def test_without_kernels_the_linears_stay_on_torch_and_the_mode_says_so():
 
 
 # --------------------------------------------------------------------------- engines
-def _llm(matmul_dtype: str, **kw) -> LLM:
+def _llm(matmul_dtype: str, arch: str = "llama", **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 1024)
-    return LLM(str(model_dir("llama")), matmul_dtype=matmul_dtype, **kw)
+    return LLM(str(model_dir(arch)), matmul_dtype=matmul_dtype, **kw)
 
 
 def _runner(matmul_dtype: str, **kw):
@@ -134,9 +134,13 @@ def test_runner_reports_its_mode():
     _, r = _runner("bfloat16")
     assert r.matmul_dtype == "bfloat16" and r.numeric_mode.startswith("bfloat16/cpu-")
     assert r.numeric_mode.split("/")[1].endswith("-vdpbf16ps" if cpu_native.quant_lib().bf16_native else "-emulated")
-    llm, r = _runner("auto", dtype="bfloat16")
+    held, r = _runner("auto", dtype="bfloat16")
     assert r.dtype is torch.float32 and r.matmul_dtype == "bfloat16"
-    assert r.numeric_mode == _runner("bfloat16")[1].numeric_mode
+    assert r.model.layers[0].mlp.gate_up_proj.qweight.format == "bf16"  # the linears held in bf16
+    rounded, r2 = _runner("bfloat16")
+    assert r.numeric_mode == r2.numeric_mode and r.param_bytes() < r2.param_bytes()
+    # one mode, one arithmetic: the same tokens and logprob bits
+    assert _result(held.generate(TARGET, _params(True))[0]) == _result(rounded.generate(TARGET, _params(True))[0])
 
 
 def test_kv_cache_dtype():
@@ -216,6 +220,18 @@ def test_alone_in_a_batch_of_16_and_preempted_give_the_same_bits(mode, seeded):
     outs = llm.generate(others + [TARGET], params + [_params(seeded)])
     assert sched.num_preemptions > 0 and outs[-1].request_id + "#0" in victims, victims
     assert _result(outs[-1]) == ref
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_moe_alone_and_in_a_batch_of_16_give_the_same_bits(mode):
+    """MoE: the router and the experts on the kernel too (a token's rows no longer depend on how
+    many other tokens chose its experts)."""
+    ref = _result(_llm(mode, "qwen3moe").generate(TARGET, _params(True))[0])
+    others, params = _others(15)
+    outs = _llm(mode, "qwen3moe").generate(others[:7] + [TARGET] + others[7:],
+                                          params[:7] + [_params(True)] + params[7:])
+    assert _result(outs[7]) == ref
 
 
 def test_tiny_model_bf16_end_to_end_close_to_fp32():

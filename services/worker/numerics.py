@@ -40,6 +40,7 @@ from zeroserve.kernels import cpu_native
 from zeroserve.kernels.quant import QuantizedWeight
 from zeroserve.services.worker.dtype import wants_bf16
 from zeroserve.services.worker.model.layers import QuantizableWeight, VocabParallelEmbedding
+from zeroserve.services.worker.model.moe import Router
 
 log = get_logger("worker.numerics")
 
@@ -88,22 +89,24 @@ def configure(runner) -> str:
 
 
 def apply(model: torch.nn.Module, bf16: bool, hold_bf16: bool = False, kernels: bool = True) -> int:
-    """Route every linear of `model` through the compiled kernel, in the bf16 regime when `bf16`;
-    `hold_bf16`: keep the float linears' weights in bf16 (the embedding keeps its fp32 rows for
-    lookups). Returns how many linears stay on torch (no kernels, or K not a multiple of 32)."""
+    """Route every linear of `model` through the compiled kernel, in the bf16 regime when `bf16`
+    (MoE routers stay fp32: they pick experts); `hold_bf16`: keep the float linears' weights in
+    bf16 (the embedding keeps its fp32 rows for lookups). Returns how many linears stay on torch
+    (no kernels, or K not a multiple of 32)."""
     on_torch = 0
     for m in model.modules():
-        if not isinstance(m, QuantizableWeight):
+        if not isinstance(m, (QuantizableWeight, Router)):
             continue
-        m.bf16_matmul = bf16
-        if m.qweight is not None or "weight" not in m._parameters:
-            continue  # packed already, or a tied LM head (its embedding holds the weight)
+        if isinstance(m, QuantizableWeight):
+            m.bf16_matmul = bf16
+            if m.qweight is not None or "weight" not in m._parameters:
+                continue  # packed already, or a tied LM head (its embedding holds the weight)
         w = m.weight
         if not kernels or w.dim() != 2 or w.shape[1] % 32 or w.dtype != torch.float32 or not w.is_cpu:
             on_torch += 1
             continue
-        if hold_bf16 and not isinstance(m, VocabParallelEmbedding):
-            m.set_quantized(QuantizedWeight.from_float(w, "bf16"))
+        if hold_bf16 and not isinstance(m, (VocabParallelEmbedding, Router)):
+            m.set_quantized(QuantizedWeight.from_float(w[:m.packed_shape()[0]], "bf16"))  # real vocab rows
         else:
             m.kernel_weight = QuantizedWeight.from_float(w)  # a view: no copy
     return on_torch
