@@ -244,6 +244,9 @@ class Hello(Message, kw_only=True):
     # policy reserves KV slots for that many lookahead tokens of each decoding request
     num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+    # what the shard computes (services/worker/numerics.py: matmul dtype / kernel build / KV dtype
+    # / weight format): groups of one model must compute alike for failover to stay exact
+    numeric_mode: Annotated[str, msgspec.Meta(max_length=200)] = ""
 
     def check(self) -> str | None:
         if not self.tp_rank < self.tp_size:

@@ -422,6 +422,7 @@ class Cluster:
         return {
             "scheduler_id": self.id, "uptime_s": round(now - self.started, 3), "addresses": self.addresses,
             "models": list(self.models), "groups": self.groups.stats(now), "requests": len(self.live),
+            "numeric_modes": dict(self.groups.model_modes), "refused": list(self.groups.refusals),
             "queue": len(self.pending), "tokens_total": self.tokens_total,
             "tokens_per_s": round(self.tokens_per_s(now), 2),
             "detokenizer": {"connected": self.delivery.detok is not None,

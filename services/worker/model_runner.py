@@ -19,7 +19,7 @@ from zeroserve.common.model_config import ModelConfig
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.kernels.metadata import AttentionMetadata
 from zeroserve.kernels.dispatch import get_ops, resolve_backend
-from zeroserve.services.worker import matmul_probe
+from zeroserve.services.worker import numerics
 from zeroserve.services.worker.dtype import resolve_dtype, resolve_kv_dtype
 from zeroserve.services.worker.model import load_model
 from zeroserve.services.worker.sampler import SamplingTensors, sample
@@ -70,8 +70,7 @@ class ModelRunner:
         self.args = args
         self.cfg = model_cfg
         self.device = torch.device(device or args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg, getattr(args, "quantization", None),
-                                   probe=tp_size == 1)
+        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg)
         self.backend = resolve_backend(args.attention_backend, self.device)
         self.ops = get_ops(self.backend, self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -89,7 +88,8 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.model.num_layers)
         ]
-        self.matmul_dtype = matmul_probe.configure(self)  # bf16 panels for big steps (CPU), maybe measured
+        self.numeric_mode = ""
+        self.matmul_dtype = numerics.configure(self)  # sets numeric_mode: the same on every start
         self.reqs: dict[str, _ReqState] = {}
         self.eos_token_ids = list(model_cfg.eos_token_ids)
         self.vocab_size = model_cfg.vocab_size

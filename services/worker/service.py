@@ -66,6 +66,7 @@ def shard_hello(runner: ModelRunner, args: EngineArgs, model_cfg: ModelConfig, *
                         kv_bytes=runner.kv_bytes_per_block() * runner.num_blocks)
     return P.Hello(role="worker", model=model_cfg.name, num_kv_blocks=runner.num_blocks,
                    block_size=runner.block_size, num_lookahead_tokens=runner.num_lookahead_tokens,
+                   numeric_mode=runner.numeric_mode,
                    max_model_len=args.max_model_len or model_cfg.max_position_embeddings, memory=mem, **who)
 
 
