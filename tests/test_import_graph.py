@@ -46,9 +46,7 @@ ROOMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                   "engine", "gateway", "api")),
 }
 
-# Known, owned elsewhere: the bf16 kernel walks the model's layers to find its weights; the
-# numerics rework (another branch) removes this arrow, and this entry goes with it at the merge.
-KNOWN_EXCEPTIONS = {("zeroserve.kernels.bf16", "zeroserve.services.worker.model.layers")}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def our_modules() -> dict[str, Path]:
