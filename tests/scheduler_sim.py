@@ -100,7 +100,7 @@ class FakeDetok:
             return None
         if not isinstance(m, P.DetokTokens):
             return None
-        deltas, stops = [], []
+        deltas, stops, kept = [], [], []
         for rid, toks in zip(m.req_ids, m.per_request()):
             self.tokens[rid] += toks.tolist()
             limit = self.stop_after.get(rid)
@@ -108,10 +108,13 @@ class FakeDetok:
                 keep = len(toks) - (len(self.tokens[rid]) - limit)
                 deltas.append(text_of(toks[:keep]))
                 stops.append("STOP")
+                kept.append(keep)
             else:
                 deltas.append(text_of(toks))
                 stops.append(None)
-        return P.DetokOutputs(seq=m.seq, req_ids=list(m.req_ids), text_deltas=deltas, stop_strs=stops)
+                kept.append(-1)
+        return P.DetokOutputs(seq=m.seq, req_ids=list(m.req_ids), text_deltas=deltas, stop_strs=stops,
+                              stop_tokens=kept)
 
 
 class Net:

@@ -78,7 +78,7 @@ class Detokenizer:
                 self.states[item.req_id] = det
             return None
         if isinstance(msg, P.DetokTokens):
-            ids, texts, stops = [], [], []
+            ids, texts, stops, kept = [], [], [], []
             # plain lists sliced by the counts: per-request arrays (np.split) and a tolist() each
             # cost more than the decoding at a few tokens per request
             flat, end = msg.token_ids.tolist(), 0
@@ -98,7 +98,8 @@ class Detokenizer:
                 ids.append(rid)
                 texts.append(text)
                 stops.append(stop)
-            return P.DetokOutputs(seq=msg.seq, req_ids=ids, text_deltas=texts, stop_strs=stops)
+                kept.append(delta.tokens if stop is not None else -1)
+            return P.DetokOutputs(seq=msg.seq, req_ids=ids, text_deltas=texts, stop_strs=stops, stop_tokens=kept)
         if isinstance(msg, P.DetokFree):
             for rid in msg.req_ids:
                 self._drop(rid)
