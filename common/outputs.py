@@ -58,3 +58,15 @@ class RequestOutput:
     # seconds from the scheduler's receipt of the request to its first token leaving the
     # scheduler (None from engines without one, e.g. the offline LLM)
     first_token_latency: float | None = None
+    # an embedding request: the pooled final hidden state as computed (not normalised; embed()
+    # hands out EmbeddingOutput instead)
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (what ``embed()`` returns): L2-normalised unless asked otherwise."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]

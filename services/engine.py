@@ -14,6 +14,7 @@ from pathlib import Path
 from zeroserve.common.chat import chat_prompt, check_messages
 from zeroserve.common.config import EngineArgs
 from zeroserve.common.detokenize import IncrementalDetokenizer
+from zeroserve.common.embeddings import embed_params
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import get_logger
 from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
@@ -79,10 +80,14 @@ class LLMEngine:
         (``--generation-config``) over SamplingParams' defaults (vLLM's get_default_sampling_params)."""
         return with_model_defaults(SamplingParams(), MODEL_DEFAULT_FIELDS, self.sampling_defaults)
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    pooling: str | None = None) -> str:
         """`prompt`: text, token ids, {"prompt_token_ids": ...}, {"prompt": ...} or a conversation
         {"messages": [...], "chat_template": optional template text, "tools": optional function
-        definitions for the template}."""
+        definitions for the template}. `pooling` ("" = the model's, "last", "mean"): an embedding
+        request instead (common/embeddings.py), whose output has `embedding`."""
+        if pooling is not None:
+            params, pooling = embed_params(pooling, self.args)
         if params is None:
             params = self.default_sampling_params()
         elif not isinstance(params, SamplingParams):
@@ -103,6 +108,7 @@ class LLMEngine:
         if request_id in self.tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         for r in fan_out(request_id, ids, params, self.rng, self.max_model_len, grammar):
+            r.pooling = pooling
             self.scheduler.add_request(r)
         out = RequestOutput(request_id, text, list(ids),
                             [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
@@ -138,6 +144,10 @@ class LLMEngine:
             req = ev.req
             tr = self.tracked.get(req.client_id)
             if tr is None:
+                continue
+            if ev.embedding is not None:
+                tr.output.embedding, tr.output.finished = ev.embedding.tolist(), True
+                done.append(self.tracked.pop(req.client_id).output)
                 continue
             comp = tr.output.outputs[req.index]
             comp.token_ids.append(ev.token_id)

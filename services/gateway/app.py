@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP gateway over one `AsyncClient` to the scheduler.
 
-`/v1/completions`, `/v1/chat/completions`, `/v1/responses` (responses.py) and `/v1/messages`
-(anthropic.py) are plain ASGI handlers (completions.py: the streaming hot path skips FastAPI and
-Starlette's StreamingResponse); the other endpoints are FastAPI routes. The chat template is applied in the scheduler (`AsyncClient.chat`), so HTTP
+`/v1/completions`, `/v1/chat/completions`, `/v1/responses` (responses.py), `/v1/messages`
+(anthropic.py) and `/v1/embeddings` (embeddings.py) are plain ASGI handlers (completions.py: the
+streaming hot path skips FastAPI and Starlette's StreamingResponse); the other endpoints are
+FastAPI routes. The chat template is applied in the scheduler (`AsyncClient.chat`), so HTTP
 and ZeroMQ clients get the same prompt. Errors are OpenAI error objects with the status the
 SDKs map to their typed exceptions (400 / 401 / 404 / 413 / 429 / 503 / 504).
 
@@ -35,7 +36,7 @@ from zeroserve.common.config import GatewayArgs
 from zeroserve.common.errors import InvalidRequest, ZeroserveError
 from zeroserve.common.log import get_logger
 from zeroserve.common.memory import freeze_startup_heap
-from zeroserve.services.gateway import anthropic, completions, responses
+from zeroserve.services.gateway import anthropic, completions, embeddings, responses
 from zeroserve.services.gateway.completions import now as _now
 from zeroserve.services.gateway.errors import (
     RETRY_AFTER_S,
@@ -356,6 +357,6 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
 
 
 # the POST endpoints served by completions.handle (streamed or whole), each with its error shape
-ROUTES = {**completions.ROUTES, **responses.ROUTES, **anthropic.ROUTES}
+ROUTES = {**completions.ROUTES, **responses.ROUTES, **anthropic.ROUTES, **embeddings.ROUTES}
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/", "/cluster", "/api/cluster",
                *ROUTES}

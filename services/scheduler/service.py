@@ -43,10 +43,11 @@ BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
 
 
-def load_models(dirs: list[str], generation_config: str = "auto") -> dict[str, ModelInfo]:
+def load_models(dirs: list[str], generation_config: str = "auto", pooling: str = "auto") -> dict[str, ModelInfo]:
     """The served models' configs and sampling defaults (cheap; a directory we cannot serve fails
     here, at start). Their tokenizers load in the background (`SchedulerService`): transformers
     takes seconds to import, and a restarted scheduler must answer pings and HELLOs at once."""
+    from zeroserve.common.embeddings import model_pooling
     from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
 
     models = {}
@@ -55,7 +56,7 @@ def load_models(dirs: list[str], generation_config: str = "auto") -> dict[str, M
         defaults = resolve_sampling_defaults(mc, generation_config)
         if defaults:  # vLLM says this too: a request's unset fields will not be SamplingParams' defaults
             log.info("sampling defaults from the model's generation config", model=mc.name, **defaults)
-        models[mc.name] = ModelInfo(mc.name, mc, sampling_defaults=defaults)
+        models[mc.name] = ModelInfo(mc.name, mc, sampling_defaults=defaults, pooling=model_pooling(d, pooling))
     return models
 
 
@@ -67,7 +68,7 @@ class SchedulerService:
             raise InvalidRequest(f"--tool-call-parser {cfg.tool_call_parser!r}: use auto or one of {sorted(PARSERS)}")
         self.id = uuid.uuid4().hex[:12]
         self.ctx = ctx or zmq.Context.instance()
-        models = load_models(cfg.models, cfg.generation_config)
+        models = load_models(cfg.models, cfg.generation_config, cfg.pooling)
         self.addrs = addrs = cfg.addresses()
         # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
         # domain is its name): client keys on "client", worker and detokenizer keys on "backend"

@@ -21,6 +21,7 @@ from zeroserve.kernels.dispatch import get_ops, resolve_backend
 from zeroserve.services.worker import matmul_probe
 from zeroserve.services.worker.dtype import resolve_dtype, resolve_kv_dtype
 from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker.pooling import Pooler
 from zeroserve.services.worker.sampler import SamplingTensors, sample
 from zeroserve.services.worker.spec_decode import accepted_length, make_speculator, sample_positions
 
@@ -70,6 +71,7 @@ class ModelRunner:
         self.vocab_size = model_cfg.vocab_size
         self.num_steps = 0
         self.spec = make_speculator(args, self)  # None: no speculative decoding
+        self.pooler = Pooler()  # embedding requests (services/worker/pooling.py)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -145,6 +147,7 @@ class ModelRunner:
                 raise ValueError(f"step names request {rid!r}, which this worker does not hold")
             st.block_ids.extend(blocks.tolist())
             st.num_computed = computed
+        self.pooler.apply(step)
 
     def _grammar_rows(self, step: Step, sampled_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sample rows the step's bitmask rows belong to, and the bitmask, on the device."""
@@ -224,6 +227,8 @@ class ModelRunner:
 
         sampled_all = np.full(B, -1, np.int32)
         out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=sampled_all, num_tokens=T)
+        if self.pooler.pooling:  # embedding requests pool their hidden states instead of sampling
+            sample_rows = self.pooler.pool(out, req_ids, hidden, qsl, sample_rows)
         if len(sample_rows):
             flat, owner, offs = sample_positions(sample_rows, qsl, drafts)
             idx = torch.from_numpy(flat).to(dev)
