@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.common.sampling_params import StructuredOutputsParams
+from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, StructuredOutputsParams
 from zeroserve.common.tools import ToolSpec, ToolStream, check_tools
 from zeroserve.services.gateway.completions import _chain, _prefetch
 from zeroserve.services.gateway.tools import tool_parser
@@ -38,8 +38,6 @@ class ChatTurn:
         self.spec = check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def unset(self) -> list[str]:
-        from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS
-
         return [k for k in MODEL_DEFAULT_FIELDS if self.params.get(k) is None]
 
     def sampling(self, model: str) -> dict[str, Any]:
