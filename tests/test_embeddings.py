@@ -124,3 +124,49 @@ def test_bad_embedding_requests_are_400s_naming_the_field(env):
             oai.post("/embeddings", cast_to=object, body={"model": model, **body})
     with pytest.raises(openai.NotFoundError):
         oai.embeddings.create(model="nope", input="x")
+
+
+def test_pooling_per_model_and_the_vector_finish(tmp_path):
+    from zeroserve.common.embeddings import finish_embedding, model_pooling
+    from zeroserve.common.errors import InvalidRequest
+
+    assert model_pooling(tmp_path) == "last"  # decoder-only embedding models pool the last token
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    assert model_pooling(tmp_path) == "mean" and model_pooling(tmp_path, "last") == "last"
+    with pytest.raises(InvalidRequest, match="pooling"):
+        model_pooling(tmp_path, "max")
+    v = finish_embedding([3.0, 4.0, 12.0], dimensions=2)
+    np.testing.assert_allclose(v, [0.6, 0.8])
+    np.testing.assert_array_equal(finish_embedding([3.0, 4.0], normalize=False), [3.0, 4.0])
+    assert finish_embedding([0.0, 0.0]).tolist() == [0.0, 0.0]  # nothing to normalise
+    for bad in (0, 4, True, 2.5):
+        with pytest.raises(InvalidRequest, match="dimensions"):
+            finish_embedding([1.0, 2.0, 3.0], dimensions=bad)
+
+
+def test_the_worker_pooler_sums_chunks_and_restarts_a_resent_request():
+    """Mean pooling over prefill chunks; a request the scheduler preempted comes back as new and
+    recomputes from position 0, so its sum starts again (services/worker/pooling.py)."""
+    from zeroserve.common.messages import NewRequest, Step, StepResult
+    from zeroserve.services.worker.pooling import Pooler
+
+    pl = Pooler()
+    new = NewRequest(req_id="a", token_ids=np.arange(6, dtype=np.int32), num_prompt_tokens=6, pooling="mean")
+    h = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    none = np.zeros(0, np.int64)
+
+    def step(rows, sample):
+        out = StepResult(seq=1, req_ids=["a"], sampled_token_ids=np.asarray([-1], np.int32))
+        left = pl.pool(out, ["a"], rows, np.asarray([0, rows.shape[0]]), np.asarray(sample, np.int64))
+        return out, left
+
+    pl.apply(Step(seq=1, new_reqs=[new]))
+    out, _ = step(h[:4], none)
+    assert out.embed_req_ids == [] and out.embeddings is None
+    pl.apply(Step(seq=2, finished_req_ids=["a"]))  # preempted ...
+    pl.apply(Step(seq=3, new_reqs=[new]))  # ... and sent again from the start
+    step(h[:3], none)
+    out, left = step(h[3:], [0])
+    assert left.tolist() == [] and out.embed_req_ids == ["a"]  # it samples nothing
+    np.testing.assert_allclose(out.embeddings[0], h.mean(0).numpy())
