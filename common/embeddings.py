@@ -60,13 +60,9 @@ def base64_vector(v: np.ndarray) -> str:
     return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode("ascii")
 
 
-def embed_params(pooling: str, args: Any) -> tuple[Any, str]:
-    """An embedding request's SamplingParams (a prefill: the one "token" is its vector) and its
-    pooling, "" resolved to the model's (`args`: the engine's or scheduler's config, its `model`
-    and `pooling` flag)."""
-    from zeroserve.common.sampling_params import SamplingParams
-
-    if pooling not in ("", *POOLINGS):
+def request_pooling(pooling: str | None) -> str:
+    """A request's pooling as a Submit carries it: "last" or "mean", or "" for the model's (None
+    too); anything else is refused here, before the request is sent."""
+    if pooling not in (None, "", *POOLINGS):
         raise InvalidRequest(f"pooling must be last or mean (or unset: the model's), got {pooling!r:.40}")
-    return SamplingParams(max_tokens=1), pooling or model_pooling(getattr(args, "model", None),
-                                                                  getattr(args, "pooling", "auto"))
+    return pooling or ""

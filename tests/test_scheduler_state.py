@@ -76,6 +76,34 @@ def test_a_group_joins_probes_and_serves_a_request():
     assert g.in_flight is None or g.in_flight.step.finished_req_ids  # only the drop of the finished one
 
 
+def test_a_model_keeps_the_numeric_mode_of_its_first_group():
+    """Groups of one model must compute alike (failover exactness): a shard reporting another
+    numeric mode is refused with the reason, which `status` lists; the mode stays fixed after
+    every group has left."""
+    c = make_cluster()
+    net = Net(c)
+    fp32, bf16 = "float32/cpu-avx512/kv-float32/weights-auto", "bfloat16/cpu-avx512-vdpbf16ps/kv-float32/weights-auto"
+
+    def hello(wid, mode, model=MODEL):
+        w = FakeWorker(wid)
+        net.send(c.on_hello(w.ident, P.Hello(role="worker", worker_id=wid, group=wid, model=model, num_kv_blocks=64,
+                                             block_size=16, numeric_mode=mode), net.now))
+        return net.backend[w.ident][-1]
+
+    assert hello("a", fp32).status == "accepted"
+    assert hello("b", fp32).status == "accepted"
+    refused = hello("c", bf16)
+    assert refused.status == "refused" and fp32 in refused.detail and bf16 in refused.detail
+    assert hello("d", "").status == "refused"  # a worker that does not say is not assumed alike
+    st = c.stats(net.now)
+    assert st["numeric_modes"] == {MODEL: fp32}
+    assert [r["worker_id"] for r in st["refused"]] == ["c", "d"] and "numeric mode" in st["refused"][0]["reason"]
+    assert {g["name"]: g["numeric_mode"] for g in st["groups"]} == {"a": fp32, "b": fp32}
+    for wid in ("a", "b"):
+        c.groups.gone(c.groups.get(wid), "test", Outbox())
+    assert hello("e", bf16).status == "refused"  # still fixed: requests waiting would change tokens
+
+
 def test_tp_ranks_wait_for_rank_0_and_get_its_dist_address():
     c = make_cluster()
     net = Net(c)

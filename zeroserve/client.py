@@ -50,6 +50,7 @@ import collections
 import itertools
 import logging
 import os
+import weakref
 from typing import Any, Self
 
 import msgspec
@@ -65,12 +66,12 @@ from zeroserve.common.errors import (
     RequestTimeout,
     ZeroserveError,
 )
-from zeroserve.common.embeddings import POOLINGS, finish_embedding
+from zeroserve.common.embeddings import finish_embedding, request_pooling
 from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
 from zeroserve.common.transport import make_socket, tcp_addr
-from zeroserve.services.scheduler.admission import split_prompt
+from zeroserve.common.prompts import split_prompt
 from zeroserve._request import (
     Conversation,
     StreamDelta,
@@ -107,6 +108,16 @@ class _Checked:
 
     def __init__(self, split: tuple) -> None:
         self.split = split
+
+
+def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, linger: int = 0) -> None:
+    """Close the client's socket and end its context, never waiting on the event loop (it may be
+    closed already) nor on unsent messages beyond `linger` ms."""
+    try:
+        sock.close(linger=linger)
+    except Exception:  # noqa: BLE001 (its loop is gone: close the socket underneath it)
+        zmq.Socket.close(sock, linger=linger)
+    ctx.term()
 
 
 class AsyncClient(LivenessMixin):
@@ -175,6 +186,10 @@ class AsyncClient(LivenessMixin):
                 raise InvalidRequest(f"cannot connect to {self.address}: {e}; give the scheduler's client address "
                                      "as tcp://HOST:PORT") from None
             self._loop, self._ctx, self._sock = loop, ctx, sock
+            # a client nobody closed must still release its socket when it is collected or the
+            # interpreter exits: pyzmq's Context.__del__ would term() with the socket open and
+            # block the process forever (a second asyncio.run in a script or notebook)
+            self._finalizer = weakref.finalize(self, _release, sock, ctx)
             self._last_rx = loop.time()
             self._live_evt = asyncio.Event()
             self._tasks = [loop.create_task(self._receiver(), name="zeroserve-client-recv"),
@@ -201,8 +216,8 @@ class AsyncClient(LivenessMixin):
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.close(linger=200 if live else 0)  # give the Aborts a moment to leave
-        self._ctx.term()
+        self._finalizer.detach()
+        _release(self._sock, self._ctx, linger=200 if live else 0)  # give the Aborts a moment to leave
 
     async def __aenter__(self) -> Self:
         return self
@@ -332,15 +347,14 @@ class AsyncClient(LivenessMixin):
         cluster as a prefill-only request: the model's final hidden states pooled (``pooling``
         "last" or "mean"; default the model's: the scheduler's --pooling), L2-normalised unless
         ``normalize`` is false, after a truncation to ``dimensions`` when given."""
-        if pooling not in (None, *POOLINGS):
-            raise InvalidRequest(f"pooling must be last or mean (or None: the model's), got {pooling!r:.40}")
+        pooling = request_pooling(pooling)
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         reqs: list[_Req] = []
         try:
             for p in prompts:
                 reqs.append(self._submit(p, {"model": model} if model else None, None, request_timeout_s,
-                                         streaming=False, model_defaults=[], pooling=pooling or ""))
+                                         streaming=False, model_defaults=[], pooling=pooling))
             await asyncio.gather(*(r.done for r in reqs))
         except BaseException:  # a bad prompt or a cancellation: none of the batch runs on
             for r in reqs:

@@ -15,6 +15,10 @@ from zeroserve.services.engine import LLMEngine
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:  # the built-in model (random weights), made on first use
+            from zeroserve.services.tiny_model import default_model_dir
+
+            model = str(default_model_dir())
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
 
     @property

@@ -18,7 +18,6 @@ import itertools
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -27,38 +26,23 @@ from zeroserve.common import messages as P
 from zeroserve.common.codec import check_version
 from zeroserve.common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
 from zeroserve.common.log import LogBudget, get_logger
+from zeroserve.common.prompts import check_prompt_ids, check_text_size, split_prompt
 from zeroserve.common.sampling_params import SamplingParams, with_model_defaults
-from zeroserve.services.scheduler.admission import (
-    check_params_for_model,
-    check_prompt_ids,
-    check_text_size,
-    fan_out,
-    split_prompt,
-)
+from zeroserve.services.scheduler.admission import check_params_for_model, fan_out
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
 from zeroserve.services.scheduler.metrics import SchedulerMetrics
+from zeroserve.services.scheduler.models import ModelInfo
 from zeroserve.services.scheduler.outbox import Outbox
 from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
     from zeroserve.common.config import SchedulerConfig
-    from zeroserve.common.model_config import ModelConfig
 
 log = get_logger("scheduler")
 _PEER_ERROR_LOG = LogBudget("peer error / second detokenizer")  # hostile peers send these by the thousand
 
 Handler = Callable[[bytes, Any, float], Outbox]
-
-
-@dataclass
-class ModelInfo:
-    name: str
-    cfg: ModelConfig
-    tokenizer: object = None  # unused by the state: the shell tokenizes (service.py)
-    sampling_defaults: dict = field(default_factory=dict)  # for the fields a Submit leaves unset
-    tool_call_parser: str = ""  # set by the shell once the tokenizer (and so the template) is known
-    pooling: str = "last"  # embedding requests that name none (--pooling, common/embeddings.py)
 
 
 class Rate(NamedTuple):
@@ -87,6 +71,10 @@ class Cluster:
         self.rate_window: list[Rate] = []
         self.last_checks = 0.0
         self.last_stats = 0.0
+        # pipelining: a group's next step leaves before this result's outputs are routed, so the
+        # scheduler's work overlaps the workers' compute. The in-process engine turns it off: one
+        # thread does both, and a stop string then ends its request before the next step is built
+        self.overlap = True
         self.metrics = SchedulerMetrics(max((m.cfg.max_position_embeddings for m in models.values()), default=1),
                                         list(models))
         self.delivery.metrics = self.metrics
@@ -317,9 +305,8 @@ class Cluster:
                 return ob
             if events is not None:
                 self.metrics.step(g, inflight.step, inflight.sent_at, self.delivery)
-                # overlap: the next step goes first in the outbox, so the group computes it
-                # while the shell routes this result's outputs
-                self.groups.dispatch(g, now, ob)
+                if self.overlap:  # the next step goes first in the outbox, so the group
+                    self.groups.dispatch(g, now, ob)  # computes it while the shell routes outputs
                 self._accept(events, now)
         return ob
 
@@ -445,6 +432,7 @@ class Cluster:
         return {
             "scheduler_id": self.id, "uptime_s": round(now - self.started, 3), "addresses": self.addresses,
             "models": list(self.models), "groups": self.groups.stats(now), "requests": len(self.live),
+            "numeric_modes": dict(self.groups.model_modes), "refused": list(self.groups.refusals),
             "queue": len(self.pending), "tokens_total": self.tokens_total,
             "tokens_per_s": round(self.tokens_per_s(now), 2),
             "detokenizer": {"connected": self.delivery.detok is not None,

@@ -239,7 +239,7 @@ class Delivery:
         ids, toks, reasons, entry = [], [], [], {}
         for rid, p in self.detok_tokens.items():
             s = self.seq_index[rid].seq
-            new = s.req.output_token_ids[s.sent:s.sent + p.count]
+            new = s.req.output_slice(s.sent, s.sent + p.count)
             ids.append(rid)
             toks.append(new[:-1] if s.hide_last and p.reason is not None and new else new)
             reasons.append(p.reason)
@@ -294,7 +294,7 @@ class Delivery:
                 reason = "stop"
                 s.req.finish_reason, s.req.stop_reason = "stop", stop_str
             start = s.delivered
-            toks = s.req.output_token_ids[start:start + entry[rid].count]
+            toks = s.req.output_slice(start, start + entry[rid].count)
             s.delivered += len(toks)
             s.chars += len(text)
             self.output(live, s, toks, text, reason, s.req.stop_reason if reason == "stop" else None, start, now)

@@ -21,7 +21,7 @@ import bisect
 from dataclasses import dataclass
 
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.services.scheduler.admission import check_prompt_length
+from zeroserve.common.prompts import check_prompt_length
 import numpy as np
 
 from zeroserve.common.messages import CachedRequests, NewRequest, Step, StepResult

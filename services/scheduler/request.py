@@ -72,6 +72,11 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def output_slice(self, start: int, stop: int) -> list[int]:
+        """Output tokens [start, stop), copying only those (delivery asks every step)."""
+        p = self.num_prompt_tokens
+        return self.token_ids[p + start:p + stop]
+
     @property
     def hides_stop_token_text(self) -> bool:
         """It ended on a stop token id whose text stays out of the output (vLLM's rule)."""
