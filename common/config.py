@@ -331,6 +331,10 @@ class GenerationArgs:
                                           "generation_config.json (a GGUF's general.sampling.*), none = "
                                           "SamplingParams' own, or a generation_config.json FILE",
                                   metavar="auto|none|FILE")
+    pooling: str = knob("auto", "how embedding requests pool the final hidden states over the prompt: last "
+                                "(the last token's), mean, or auto = mean where the model directory has a "
+                                "sentence-transformers 1_Pooling/config.json saying so, else last",
+                        choices=("auto", "last", "mean"))
 
 
 @dataclass(kw_only=True)

@@ -44,6 +44,9 @@ from zeroserve.common.schema import (  # noqa: F401 - the field types are part o
 )
 
 PROTOCOL_VERSION = 2
+# an embedding request's pooling of the final-normed hidden states over its prompt: the last
+# token's, or the mean of every position's ("" in a Submit: the model's, common/embeddings.py)
+Pooling = Literal["last", "mean"]
 
 
 # ==================================================================== Client <-> scheduler
@@ -87,8 +90,17 @@ class Submit(Message):
     model_defaults: Annotated[list[ModelDefaultField], msgspec.Meta(max_length=16)] = []
     # chat only: OpenAI function definitions the chat template shows the model
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None
+    # "embed": a prefill-only request whose answer is the pooled hidden state of its prompt (one
+    # Output with `embedding`, no tokens); its blocks are freed once the prefill has run
+    kind: Literal["generate", "embed"] = "generate"
+    pooling: Literal["", "last", "mean"] = ""  # embed: "" = the model's pooling
 
     def check(self) -> str | None:
+        if self.kind == "embed" and (self.messages is not None or self.params.n != 1
+                                     or self.params.structured_outputs is not None):
+            return "an embedding request takes a prompt (text or token ids), n = 1 and no constraint"
+        if self.kind != "embed" and self.pooling:
+            return "pooling goes with kind embed"
         if self.messages is not None:
             if self.prompt is not None or self.prompt_token_ids is not None:
                 return "give chat messages or a prompt, not both"
@@ -178,6 +190,7 @@ class Output(Message):
     # it (queueing, prefill and the first token inside the cluster; what a client sees on top
     # of it is transport: benchmarks/serve.py tells the gateway's share apart with it)
     first_token_latency: float | None = None
+    embedding: F32 | None = None  # an embedding request's answer: the pooled hidden state (not normalised)
 
     def check(self) -> str | None:
         if type(self.token_ids) is not list:  # an array or tuple from the sender
@@ -300,6 +313,9 @@ class NewRequest(Message):
     block_ids: I32 = msgspec.field(default_factory=empty_i32)
     num_computed_tokens: Count = 0
     num_scheduled_tokens: Count = 0
+    # an embedding request: once its prompt is computed the worker returns this pooling of the
+    # final hidden states (StepResult.embeddings) instead of sampling a token
+    pooling: Pooling | None = None
 
     def check(self) -> str | None:
         n = self.token_ids.shape[0]
@@ -424,9 +440,15 @@ class StepResult(Message):
     spec_token_ids: I32 | None = None
     num_spec_tokens: I32 | None = None
     num_draft_tokens: I32 | None = None
+    # embedding requests whose prompt this step completed, and their pooled hidden states (fp32)
+    embed_req_ids: list[Name] = msgspec.field(default_factory=list)
+    embeddings: F32_2D | None = None
 
     def check(self) -> str | None:
         r = len(self.req_ids)
+        n_emb = 0 if self.embeddings is None else self.embeddings.shape[0]
+        if n_emb != len(self.embed_req_ids):
+            return f"embeddings has {n_emb} rows for {len(self.embed_req_ids)} embed_req_ids"
         if self.sampled_token_ids.shape[0] != r:
             return f"sampled_token_ids has {self.sampled_token_ids.shape[0]} entries for {r} req_ids"
         spec = (self.spec_token_ids, self.num_spec_tokens, self.num_draft_tokens)

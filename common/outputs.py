@@ -58,6 +58,18 @@ class RequestOutput:
     # seconds from the scheduler's receipt of the request to its first token leaving the
     # scheduler (None from engines without one, e.g. the offline LLM)
     first_token_latency: float | None = None
+    # an embedding request: the pooled final hidden state as computed (not normalised; embed()
+    # hands out EmbeddingOutput instead)
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (what ``embed()`` returns): L2-normalised unless asked otherwise."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
 
 
 def item_logprobs(item, decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
@@ -85,3 +97,9 @@ def completion_from_items(index: int, items: list, finish_reason: str | None, st
         for it in items:
             lps.extend(item_logprobs(it, decode))
     return CompletionOutput(index, "".join([it.text for it in items]), toks, finish_reason, lps, stop_reason)
+
+
+def embedding_from_items(items: list) -> list[float] | None:
+    """An embedding request's vector (as computed) from its scheduler `Output` items; None for a
+    generation's."""
+    return next((it.embedding.tolist() for it in items if it.embedding is not None), None)

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from zeroserve.common import messages as P
 from zeroserve.common.chat import check_messages
 from zeroserve.common.config import EngineArgs, SchedulerConfig
+from zeroserve.common.embeddings import request_pooling
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.model_config import ModelConfig
-from zeroserve.common.outputs import RequestOutput, completion_from_items
+from zeroserve.common.outputs import RequestOutput, completion_from_items, embedding_from_items
 from zeroserve.common.prompts import split_prompt
 from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, with_model_defaults
 from zeroserve.common.tokenizer import load_tokenizer
@@ -67,8 +68,8 @@ class LLMEngine:
             models=[model_dir], generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_tokens=args.max_num_prefill_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-            max_queue_len=1 << 62)  # a batch is what the caller gave: no queue cap offline
-        models = load_models(cfg.models, cfg.generation_config)
+            pooling=args.pooling, max_queue_len=1 << 62)  # a batch is what the caller gave: no queue cap offline
+        models = load_models(cfg.models, cfg.generation_config, cfg.pooling)
         self.name = self.model_cfg.name
         self.sampling_defaults = models[self.name].sampling_defaults
         self.cluster = Cluster(cfg, models, "in-process", now=time.monotonic())
@@ -129,10 +130,13 @@ class LLMEngine:
         (``--generation-config``) over SamplingParams' defaults (vLLM's get_default_sampling_params)."""
         return with_model_defaults(SamplingParams(), MODEL_DEFAULT_FIELDS, self.sampling_defaults)
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    pooling: str | None = None) -> str:
         """`prompt`: text, token ids, {"prompt_token_ids": ...}, {"prompt": ...} or a conversation
         {"messages": [...], "chat_template": optional template text, "tools": optional function
-        definitions for the template}. Refused requests raise here, before any step."""
+        definitions for the template}. `pooling` ("" = the model's, "last", "mean"): an embedding
+        request instead (common/embeddings.py), whose output has `embedding`. Refused requests
+        raise here, before any step."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id is None:
@@ -144,6 +148,8 @@ class LLMEngine:
         # whose caller left them all unset
         kw = dict(request_id=request_id, params=params or SamplingParams(),
                   model_defaults=list(MODEL_DEFAULT_FIELDS) if params is None else [])
+        if pooling is not None:  # the cluster gives an embedding its own params (a prefill)
+            kw.update(kind="embed", pooling=request_pooling(pooling), model_defaults=[])
         chat_template = text = None
         if isinstance(prompt, dict) and "messages" in prompt:
             kw["messages"] = [P.ChatMessage(**m) for m in check_messages(prompt["messages"])]
@@ -263,4 +269,5 @@ class LLMEngine:
         decode = (lambda t: self.tokenizer.decode([t])) if tr.params.logprobs is not None else None  # noqa: E731
         outs = [completion_from_items(i, items, tr.finish[i], tr.stop[i], tr.params.logprobs is not None, decode)
                 for i, items in enumerate(tr.parts)]
-        return RequestOutput(rid, tr.prompt, tr.prompt_ids or [], outs, finished=True, num_cached_tokens=tr.num_cached)
+        return RequestOutput(rid, tr.prompt, tr.prompt_ids or [], outs, finished=True, num_cached_tokens=tr.num_cached,
+                             embedding=embedding_from_items(tr.parts[0]))

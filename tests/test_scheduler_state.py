@@ -29,6 +29,7 @@ from tests.scheduler_sim import (  # noqa: E402
     FakeDetok,
     FakeWorker,
     Net,
+    fake_embedding,
     group_of,
     make_cluster,
     prompt,
@@ -552,3 +553,55 @@ def test_a_peer_that_refuses_one_message_gets_none_of_the_rest():
     assert failed == ["new", "tokens"]
     assert svc.backend_ch.sent == [(b"ok", "DetokFree")] and svc.client_ch.sent == [(b"full", "Pong")]
     assert svc.steps_ch.sent == [(b"g0\x00", "Probe")]
+
+
+# ================================================================== embeddings
+
+
+def test_an_embedding_is_a_prefill_that_frees_its_blocks_without_the_detokenizer():
+    c = make_cluster(max_num_batched_tokens=16)
+    net = Net(c)
+    (w,) = net.join("g0")
+    d = net.join_detok("detok-1")
+    p = prompt(40, 3)
+    net.submit("e1", p, 8, kind="embed", pooling="mean")
+    net.submit("e2", p, 8, kind="embed")  # the model's pooling: last (no sentence-transformers config)
+    net.submit("r1", prompt(20, 1), 4)
+    net.run(lambda: all(net.done(r) for r in ("e1", "e2", "r1")))
+    outs = {o.request_id: o for m in net.clients[CLIENT_ID] if isinstance(m, P.Outputs) for o in m.items
+            if o.embedding is not None}
+    np.testing.assert_array_equal(outs["e1"].embedding, fake_embedding(p, "mean"))
+    np.testing.assert_array_equal(outs["e2"].embedding, fake_embedding(p, "last"))
+    for rid in ("e1", "e2"):
+        toks, text, reasons, errors = net.got(rid)
+        assert toks == [] and text == "" and reasons == ["stop"] and not errors
+        assert outs[rid].prompt_token_ids.tolist() == p
+    assert net.got("r1")[0] == reference(prompt(20, 1), 4)  # a generation beside them is untouched
+    # prefill only, in chunks of the budget, never from the prefix cache (e2 repeats e1's prompt)
+    assert sorted(str(n.pooling) for n in w.seen_new) == ["None", "last", "mean"]
+    assert all(n.num_computed_tokens == 0 for n in w.seen_new)
+    gen = [n.req_id for n in w.seen_new if n.pooling is None]
+    assert [n.req_id for n in d.new] == gen  # the detokenizer saw only the generation
+    net.run(lambda: c.groups.get("g0").policy.bm.num_used_blocks == 0)
+    assert not c.live and not w.reqs
+
+
+def test_embeddings_in_a_step_result_are_checked():
+    c = make_cluster()
+    net = Net(c)
+    (w,) = net.join("g0")
+    net.join_detok("detok-1")
+    net.submit("r1", prompt(10, 2), 4)
+    run = w.run
+
+    def lying(step):  # an embedding for a generation request: the group is not trusted again
+        out = run(step)
+        out.embed_req_ids, out.embeddings = out.req_ids[:1], np.zeros((1, 64), np.float32)
+        return out
+
+    w.run = lying
+    net.turn()
+    net.turn()
+    assert c.groups.get("g0") is None or c.groups.get("g0").state == GroupState.GONE
+    with pytest.raises(ValueError, match="embedding request takes a prompt"):  # checked where it is built
+        P.Submit(request_id="x", messages=[P.ChatMessage(role="user", content="hi")], kind="embed")

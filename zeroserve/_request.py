@@ -14,7 +14,7 @@ import numpy as np
 from zeroserve.common import messages as P
 from zeroserve.common.chat import check_messages
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.common.outputs import Logprob, RequestOutput, completion_from_items, item_logprobs
+from zeroserve.common.outputs import Logprob, RequestOutput, completion_from_items, embedding_from_items, item_logprobs
 from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields
 
 log = logging.getLogger("zeroserve.client")
@@ -239,4 +239,5 @@ class _Req:
         outs = [completion_from_items(i, items, self.finish[i], self.stop[i], self.want_lp)
                 for i, items in enumerate(self.parts)]
         return RequestOutput(self.rid, self.prompt, self._prompt_ids(), outs, finished=True,
-                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency)
+                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency,
+                             embedding=embedding_from_items(self.parts[0]) if self.parts else None)

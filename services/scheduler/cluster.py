@@ -27,7 +27,7 @@ from zeroserve.common.codec import check_version
 from zeroserve.common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
 from zeroserve.common.log import LogBudget, get_logger
 from zeroserve.common.prompts import check_prompt_ids, check_text_size, split_prompt
-from zeroserve.common.sampling_params import with_model_defaults
+from zeroserve.common.sampling_params import SamplingParams, with_model_defaults
 from zeroserve.services.scheduler.admission import check_params_for_model, fan_out
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
@@ -109,9 +109,12 @@ class Cluster:
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
         params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)
+        pooling = None
+        if m.kind == "embed":  # a prefill whose answer is a vector: its own params, the model's pooling
+            params, pooling = SamplingParams(max_tokens=1, model=model), m.pooling or self.models[model].pooling
         key = str(next(self.keys))
         self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
-                              deadline=now + m.timeout_s if m.timeout_s else None)
+                              deadline=now + m.timeout_s if m.timeout_s else None, pooling=pooling)
         self.by_client[(ident, m.request_id)] = key
         so = params.structured_outputs  # its grammar compiles in the shell's pool, with the prompt
         if m.prompt_token_ids is not None and so is None:
@@ -189,6 +192,8 @@ class Cluster:
         check_params_for_model(live.params, vocab)
         live.prompt_ids = ids
         live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len, grammar)]
+        for s in live.seqs:
+            s.req.pooling = live.pooling
         self.delivery.add(live)
         self.metrics.admitted(live)
         self._route(live)
@@ -353,6 +358,11 @@ class Cluster:
             g.policy.finish_request(s.req.req_id, "stop", stop)
 
     def _accept(self, events, now: float) -> None:
+        if any(ev.embedding is not None for ev in events):
+            for live in self.delivery.embedded(events, now):  # their one Output goes to the client now
+                self.metrics.finished(live, now)
+                self._forget(live)
+            events = [ev for ev in events if ev.embedding is None]
         n = self.delivery.accept(events)
         self.tokens_total += n
         self.rate_window.append(Rate(now, n))

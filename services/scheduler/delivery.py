@@ -58,6 +58,7 @@ class Live:
     deadline: float | None = None
     created: float = 0.0
     sent_first: bool = False
+    pooling: str | None = None  # an embedding request: no text, the detokenizer never sees it
 
 
 class SeqRef(NamedTuple):
@@ -109,7 +110,23 @@ class Delivery:
         """A request just admitted: index its sequences, introduce them to the detokenizer."""
         for s in live.seqs:
             self.seq_index[s.req.req_id] = SeqRef(live, s)
-            self.detok_new.append(self._detok_request(live, s))
+            if live.pooling is None:
+                self.detok_new.append(self._detok_request(live, s))
+
+    def embedded(self, events: list[TokenEvent], now: float) -> list[Live]:
+        """Embedding requests the policy finished: one Output each with the vector (the
+        detokenizer has no part in them); returns their requests, which have ended."""
+        out = []
+        for ev in events:
+            ref = self.seq_index.get(ev.req.req_id) if ev.embedding is not None else None
+            if ref is None or ref.seq.done:
+                continue
+            live, s = ref
+            self.output(live, s, [], "", "stop", None, now=now)
+            self.out_buf[live.client][-1].embedding = np.asarray(ev.embedding, np.float32)
+            s.done = True
+            out.append(live)
+        return out
 
     def remove(self, live: Live) -> None:
         for s in live.seqs:
@@ -201,7 +218,7 @@ class Delivery:
         self.detok_tokens.clear()
         for live in lives:
             for s in live.seqs:
-                if s.done or not live.prompt_ids:
+                if s.done or not live.prompt_ids or live.pooling is not None:
                     continue
                 self.detok_new.append(self._detok_request(live, s, replay=True))
                 s.sent = s.delivered

@@ -366,10 +366,22 @@ class Groups:
             r = reqs.get(rid)
             due.append(None if r is None else end == r.num_tokens)  # None: ended meanwhile, either way
         due += [n.num_computed_tokens + n.num_scheduled_tokens == n.token_ids.shape[0] for n in step.new_reqs]
+        # an embedding request is due its vector where others are due a sample, and never samples
+        embeds = set(m.embed_req_ids)
         for rid, d, t in zip(ids, due, tok.tolist()):
-            if d is not None and d != (t >= 0):
+            r = reqs.get(rid)
+            if r is not None and r.pooling is not None:
+                if t >= 0 or (d is not None and d != (rid in embeds)):
+                    return f"has no embedding or a sample for embedding request {rid!r} (due one: {d})"
+                embeds.discard(rid)
+            elif d is not None and d != (t >= 0):
                 return (f"has {'no sample' if d else f'a sample ({t})'} for request {rid!r}, which "
                         f"{'was due one' if d else 'was not due one'}")
+        if embeds - {rid for rid, d in zip(ids, due) if d is None}:
+            return f"has embeddings for requests that are no embedding requests of the step: {sorted(embeds)[:4]}"
+        hidden = self.models[g.model].cfg.hidden_size
+        if m.embeddings is not None and m.embeddings.shape[1] != hidden:
+            return f"has embeddings of width {m.embeddings.shape[1]}; the model's hidden size is {hidden}"
         return check_spec_result(step.lookahead(), m, vocab) or grammar_violation(step, m)
 
     def gone(self, g: Group, reason: str, ob: Outbox) -> list[Request]:

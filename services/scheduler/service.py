@@ -52,7 +52,7 @@ class SchedulerService:
             raise InvalidRequest(f"--tool-call-parser {cfg.tool_call_parser!r}: use auto or one of {sorted(PARSERS)}")
         self.id = uuid.uuid4().hex[:12]
         self.ctx = ctx or zmq.Context.instance()
-        models = load_models(cfg.models, cfg.generation_config)
+        models = load_models(cfg.models, cfg.generation_config, cfg.pooling)
         self.addrs = addrs = cfg.addresses()
         # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
         # domain is its name): client keys on "client", worker and detokenizer keys on "backend"

@@ -22,6 +22,7 @@ from zeroserve.kernels.dispatch import get_ops, resolve_backend
 from zeroserve.services.worker import numerics
 from zeroserve.services.worker.dtype import resolve_dtype, resolve_kv_dtype
 from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker.pooling import Pooler
 from zeroserve.services.worker.sampler import SamplingTensors, sample
 from zeroserve.services.worker.spec_decode import accepted_length, make_speculator, sample_positions
 
@@ -95,6 +96,7 @@ class ModelRunner:
         self.vocab_size = model_cfg.vocab_size
         self.num_steps = 0
         self.spec = make_speculator(args, self)  # None: no speculative decoding
+        self.pooler = Pooler()  # embedding requests (services/worker/pooling.py)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -170,6 +172,7 @@ class ModelRunner:
                 raise ValueError(f"step names request {rid!r}, which this worker does not hold")
             st.block_ids.extend(blocks.tolist())
             st.num_computed = computed
+        self.pooler.apply(step)
 
     def _grammar_rows(self, step: Step, sampled_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sample rows the step's bitmask rows belong to, and the bitmask, on the device."""
@@ -186,8 +189,9 @@ class ModelRunner:
         """Run one step; the result has one entry per request in `step.req_ids()` order.
 
         The steps, in order: the scheduler's state deltas (apply_state), the flat inputs with
-        this step's drafts (_prepare_inputs), the forward (_forward), sampling with grammar rows
-        and the speculative verify (_sample), the bookkeeping (_advance)."""
+        this step's drafts (_prepare_inputs), the forward (_forward), the embedding requests'
+        pooling where they would sample (Pooler.pool), sampling with grammar rows and the
+        speculative verify (_sample), the bookkeeping (_advance)."""
         t0 = time.perf_counter()
         self.apply_state(step)
         req_ids = step.req_ids()
@@ -197,6 +201,8 @@ class ModelRunner:
         hidden = self._forward(b)
         out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=np.full(b.B, -1, np.int32),
                          num_tokens=b.T)
+        if self.pooler.pooling:  # embedding requests pool their hidden states instead of sampling
+            b.sample_rows = self.pooler.pool(out, req_ids, hidden, b.qsl, b.sample_rows)
         if len(b.sample_rows):
             self._sample(step, b, hidden, out)
         self._advance(b, out, t0)
