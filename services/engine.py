@@ -202,7 +202,8 @@ class LLMEngine:
                 now = time.monotonic()
                 msg = it.msg
                 if it.role == STEPS and isinstance(msg, P.Step):
-                    queue.append(self.cluster.on_step_result(WORKER_ID, self._execute(msg), now))
+                    result = self._execute(msg)
+                    queue.append(self.cluster.on_step_result(WORKER_ID, result, time.monotonic()))
                 elif it.role == STEPS and isinstance(msg, P.Probe):
                     queue.append(self.cluster.on_probe_ack(WORKER_ID, P.ProbeAck(
                         worker_id=WORKER_ID.decode(), probe_id=msg.probe_id), now))

@@ -212,6 +212,19 @@ def test_no_arrow_points_up_the_layers():
     assert not bad, "imports that point up (or sideways) the layers:\n" + "\n".join(bad)
 
 
+def test_llm_runs_the_clusters_lifecycle_not_one_of_its_own():
+    """The in-process engine drives the scheduler's Cluster, the worker's runner and the
+    detokenizer's state; it builds no policy, fan-out or detokenizer of its own."""
+    graph, _ = import_graph()
+    engine = graph["zeroserve.services.engine"]
+    for own in ("zeroserve.services.scheduler.cluster", "zeroserve.services.worker.model_runner",
+                "zeroserve.services.detokenizer.state"):
+        assert own in engine, own
+    for second in ("zeroserve.common.detokenize", "zeroserve.services.scheduler.policy",
+                   "zeroserve.services.scheduler.block_manager", "zeroserve.services.scheduler.admission"):
+        assert second not in engine, f"services/engine.py imports {second}: the lifecycle lives in the cluster's state"
+
+
 if __name__ == "__main__":  # print the graph room to room
     g, _ = import_graph()
     pairs = sorted({(room_of(a), room_of(b)) for a, ts in g.items() for b in ts if room_of(a) != room_of(b)})

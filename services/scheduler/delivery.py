@@ -132,6 +132,11 @@ class Delivery:
         for s in live.seqs:
             self.seq_index.pop(s.req.req_id, None)
             self.detok_tokens.pop(s.req.req_id, None)
+        # admitted and gone within one loop turn: never introduce it to the detokenizer (its
+        # DetokFree went out first, so the state a late DetokNew made would never be freed)
+        if self.detok_new:
+            gone = {s.req.req_id for s in live.seqs}
+            self.detok_new = [d for d in self.detok_new if d.req_id not in gone]
 
     def get(self, req_id: str) -> SeqRef | None:
         return self.seq_index.get(req_id)
