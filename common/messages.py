@@ -177,6 +177,9 @@ class Output(Message):
     # it (queueing, prefill and the first token inside the cluster; what a client sees on top
     # of it is transport: benchmarks/serve.py tells the gateway's share apart with it)
     first_token_latency: float | None = None
+    # first chunk only: the request's seed (the caller's, or the one the scheduler drew), so a
+    # client re-attaching after a scheduler restart gets the same samples (services/scheduler/adoption.py)
+    seed: Seq | None = None
 
     def check(self) -> str | None:
         if type(self.token_ids) is not list:  # an array or tuple from the sender
@@ -198,6 +201,38 @@ class Output(Message):
 
 class Outputs(Message):
     items: list[Output] = msgspec.field(default_factory=list)
+
+
+MAX_REATTACH_SEQS = 1024  # completions of one re-attached request (SamplingParams caps n lower)
+
+
+class ResumeSeq(Message):
+    """What a client received of one completion before its scheduler died."""
+
+    index: Count = 0
+    token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    chars: Count = 0  # text characters received (str length)
+    finish_reason: FinishReason | None = None  # it had ended
+
+
+class Reattach(Message):
+    """A client's open request, sent again to a scheduler that restarted (or took over): the
+    original Submit (under a fresh request id) and what the client received so far. The
+    scheduler recomputes the prompt plus those tokens and streams from there: nothing lost or
+    repeated. Without ``prompt_token_ids`` (no output had arrived) it is a plain Submit."""
+
+    submit: Submit
+    prompt_token_ids: I32 | None = None  # as the first Output reported them
+    seed: Seq | None = None  # as the first Output reported it
+    seqs: Annotated[list[ResumeSeq], msgspec.Meta(max_length=MAX_REATTACH_SEQS)] = msgspec.field(
+        default_factory=list)
+
+    def check(self) -> str | None:
+        if self.seqs and self.prompt_token_ids is None:
+            return "resumed completions need the prompt_token_ids they continue"
+        if len({s.index for s in self.seqs}) != len(self.seqs):
+            return "a completion index appears twice"
+        return None
 
 
 class Error(Message):
@@ -560,8 +595,8 @@ class Event(Message):
 MESSAGE_TYPES: dict[bytes, type[Message]] = {
     cls.__name__.encode(): cls
     for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, MetricsRequest,
-                MetricsReply, Output, Outputs,
+                MetricsReply, Output, Outputs, Reattach,
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }
-NESTED_TYPES = (ChatMessage, ModelCard, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)
+NESTED_TYPES = (ChatMessage, ModelCard, ResumeSeq, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)

@@ -101,6 +101,13 @@ def sample_messages() -> dict[type, list]:
                          M.MetricsReply()],
         M.Output: [output, plain_output],
         M.Outputs: [M.Outputs(items=[output, plain_output]), M.Outputs()],
+        M.Reattach: [
+            M.Reattach(submit=M.Submit(request_id="q~1", prompt="Hello", params=PARAMS, stream=True),
+                       prompt_token_ids=arr([1, 2, 3]), seed=2**62,
+                       seqs=[M.ResumeSeq(index=0, token_ids=arr([4, 5]), chars=7),
+                             M.ResumeSeq(index=1, token_ids=arr([6]), chars=2, finish_reason="length")]),
+            M.Reattach(submit=M.Submit(request_id="q~2", prompt_token_ids=arr([1]))),
+        ],
         M.Error: [M.Error(request_id=None, code="overloaded", message="queue full"), M.Error(request_id="q")],
         M.Hello: [
             M.Hello(
