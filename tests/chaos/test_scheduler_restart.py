@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.scheduler_restart import (
     params,
+    prompt,
     pauses,
     start_up,
     stop_up,
@@ -63,3 +64,60 @@ def test_scheduler_sigkilled_twice_under_24_streams_loses_nothing(tmp_path):
         # may still be waiting for the new scheduler's grammar compiler at the next kill)
         assert len(p) >= STREAMS - sum("structured_outputs" in params(i, MAX_TOKENS) for i in range(STREAMS))
         print(f"\nkill {k + 1}: SIGKILL -> next new token {summary(p)}")
+
+
+SSE_STREAMS, SSE_TOKENS = 8, 240
+
+
+@pytest.mark.timeout(240)
+def test_gateway_sse_streams_go_on_through_a_scheduler_restart(tmp_path):
+    """The gateway is an AsyncClient: its SSE streams pause through the restart and end with the
+    text of an undisturbed run, no error event."""
+    import openai
+
+    from benchmarks.scheduler_restart import kill_and_wait_restart
+
+    port, gw = free_port_block(4), free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    up = start_up(str(cached_model_dir("llama")), port, gw, tmp_path / "up.log", {SESSION_ENV: SESSION_TAG})
+    try:
+        wait_ready(address, up, 180, tmp_path / "up.log")
+
+        async def run():
+            ac = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw}/v1", api_key="unused", max_retries=0,
+                                    timeout=120.0)
+            model = (await ac.models.list()).data[0].id
+
+            def body(i: int) -> dict:
+                p = params(i, SSE_TOKENS)
+                return {"model": model, "prompt": prompt(i), "max_tokens": SSE_TOKENS, "temperature": p["temperature"],
+                        "seed": p.get("seed"), "extra_body": {"ignore_eos": True}}
+
+            ref = await asyncio.gather(*(ac.completions.create(**body(i)) for i in range(SSE_STREAMS)))
+            counts = [0] * SSE_STREAMS
+
+            async def one(i: int) -> tuple[str, str | None]:
+                text, reason = "", None
+                async for ch in await ac.completions.create(**body(i), stream=True):
+                    if ch.choices:
+                        text += ch.choices[0].text
+                        reason = ch.choices[0].finish_reason or reason
+                        counts[i] += 1
+                return text, reason
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(SSE_STREAMS)]
+            deadline = asyncio.get_running_loop().time() + 120
+            while min(counts) < 8:
+                assert asyncio.get_running_loop().time() < deadline, f"streams stalled at {counts}"
+                await asyncio.sleep(0.02)
+            assert not any(t.done() for t in tasks), "a stream ended before the kill"
+            await kill_and_wait_restart(up)
+            outs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            await ac.close()
+            return [(r.choices[0].text, r.choices[0].finish_reason) for r in ref], outs
+
+        ref, outs = asyncio.run(run())
+    finally:
+        stop_up(up)
+    for i, (got, want) in enumerate(zip(outs, ref)):
+        assert want[1] == "length" and got == want, f"SSE stream {i} differs from the undisturbed run"
