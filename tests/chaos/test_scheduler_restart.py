@@ -7,7 +7,8 @@ another scheduler_id) and re-attaches its open requests with what they received
 and goes on: greedy and seeded streams end with the tokens and text of an undisturbed run, none
 lost or repeated, no error. The pause each stream saw (SIGKILL -> its next new token) is printed.
 The streams, kills and pause figures are benchmarks/scheduler_restart.py's (its numbers go to
-docs/benchmarks.md).
+docs/benchmarks.md). The same through the gateway: its SSE streams go on and end with the text
+of an undisturbed run.
 """
 
 from __future__ import annotations
