@@ -52,11 +52,11 @@ def prompt(i: int) -> list[int]:
 
 # ------------------------------------------------------------------------------- the cluster
 def start_up(model_dir: str, port: int, gateway_port: int, log_path: Path, env: dict | None = None,
-             extra: tuple[str, ...] = ()) -> subprocess.Popen:
+             extra: tuple[str, ...] = (), workers: int = 1) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, "-m", "zeroserve.services.cli", "up", "--model", model_dir,
-                                 "--port", str(port), "--gateway-port", str(gateway_port), "--workers", "1",
+                                 "--port", str(port), "--gateway-port", str(gateway_port), "--workers", str(workers),
                                  "--threads", "1", "--num-kv-blocks", "512",
                                  # fp32 at every row count: `auto` may pick bf16 matmuls from some row
                                  # count on (a start-up timing), and then a prefill (the recompute) and
@@ -74,10 +74,11 @@ def stop_up(up: subprocess.Popen) -> None:
         up.wait(timeout=10)
 
 
-def scheduler_child(up: subprocess.Popen) -> psutil.Process | None:
+def child(up: subprocess.Popen, role: str = "scheduler") -> psutil.Process | None:
+    """`up`'s child serving `role` (scheduler, worker, detokenizer); the first of several."""
     for p in psutil.Process(up.pid).children():
         try:
-            if "scheduler" in p.cmdline():
+            if role in p.cmdline():
                 return p
         except psutil.Error:
             continue
@@ -107,24 +108,32 @@ def wait_ready(address: str, up: subprocess.Popen, timeout: float, log_path: Pat
     raise TimeoutError("the cluster was not ready")
 
 
-async def kill_and_wait_restart(up: subprocess.Popen, timeout: float = 60.0) -> float:
-    """SIGKILL `up`'s scheduler, wait until `up` started another; returns the kill's time."""
-    old = scheduler_child(up)
-    assert old is not None, "no scheduler child"
-    at = time.monotonic()
-    old.send_signal(signal.SIGKILL)
-    deadline = at + timeout
-    while (new := scheduler_child(up)) is None or new.pid == old.pid:
-        assert time.monotonic() < deadline, "up did not restart the scheduler"
+async def kill_and_wait_restart(up: subprocess.Popen, timeout: float = 60.0,
+                                roles: tuple[str, ...] = ("scheduler",), gap_s: float = 0.0) -> float:
+    """SIGKILL `up`'s children of `roles` (the scheduler by default), `gap_s` apart, wait until
+    `up` started each again; returns the scheduler's kill time (the first kill's without it)."""
+    old = {r: child(up, r) for r in roles}
+    assert all(old.values()), f"no child for each of {roles}"
+    at = {}
+    for i, (r, p) in enumerate(old.items()):
+        if i and gap_s:
+            await asyncio.sleep(gap_s)
+        at[r] = time.monotonic()
+        p.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any((new := child(up, r)) is None or new.pid == p.pid for r, p in old.items()):
+        assert time.monotonic() < deadline, f"up did not restart each of {roles}"
         await asyncio.sleep(0.05)
-    return at
+    return at.get("scheduler", min(at.values()))
 
 
 # ------------------------------------------------------------------------------- the streams
 async def streams_through_kills(address: str, up: subprocess.Popen, n: int, max_tokens: int, kills: int,
-                                client_timeout_s: float = 30.0) -> dict:
+                                client_timeout_s: float = 30.0, roles: tuple[str, ...] = ("scheduler",),
+                                gap_s: float = 0.0) -> dict:
     """The undisturbed run, then the same requests as streams with `kills` SIGKILLs of the
-    scheduler -> {"ref": [(tokens, text)], "outs": [(tokens, text)], "kills": [t], "stamps": [[t]]}."""
+    scheduler (and the other `roles`: kill_and_wait_restart) -> {"ref": [(tokens, text)],
+    "outs": [(tokens, text)], "kills": [t], "stamps": [[t]]}."""
     from zeroserve import AsyncClient
 
     async with AsyncClient(address, timeout_s=client_timeout_s) as c:
@@ -164,7 +173,7 @@ async def streams_through_kills(address: str, up: subprocess.Popen, n: int, max_
                 assert not failed, failed
                 await asyncio.sleep(0.02)
             assert all(counts[i] < limits[i] for i in fast), f"a stream ended before a kill: raise max_tokens ({counts})"
-            at.append(await kill_and_wait_restart(up))
+            at.append(await kill_and_wait_restart(up, roles=roles, gap_s=gap_s))
             base = list(counts)
         outs = await asyncio.wait_for(asyncio.gather(*tasks), 180)
     return {"ref": [(o.outputs[0].token_ids, o.outputs[0].text) for o in ref], "outs": outs, "kills": at,

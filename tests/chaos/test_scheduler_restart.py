@@ -7,8 +7,9 @@ another scheduler_id) and re-attaches its open requests with what they received
 and goes on: greedy and seeded streams end with the tokens and text of an undisturbed run, none
 lost or repeated, no error. The pause each stream saw (SIGKILL -> its next new token) is printed.
 The streams, kills and pause figures are benchmarks/scheduler_restart.py's (its numbers go to
-docs/benchmarks.md). The same through the gateway: its SSE streams go on and end with the text
-of an undisturbed run.
+docs/benchmarks.md). The scheduler killed right after the detokenizer, or right after a worker
+(while its group fails over): the streams end the same. The same through the gateway: its SSE
+streams go on and end with the text of an undisturbed run.
 """
 
 from __future__ import annotations
@@ -65,6 +66,28 @@ def test_scheduler_sigkilled_twice_under_24_streams_loses_nothing(tmp_path):
         # may still be waiting for the new scheduler's grammar compiler at the next kill)
         assert len(p) >= STREAMS - sum("structured_outputs" in params(i, MAX_TOKENS) for i in range(STREAMS))
         print(f"\nkill {k + 1}: SIGKILL -> next new token {summary(p)}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("roles, gap_s", [
+    (("detokenizer", "scheduler"), 0.3),  # killed while the detokenizer restarts
+    (("worker", "scheduler"), 0.3),  # killed while a worker group fails over (its requests requeued)
+], ids=["with-detokenizer", "during-worker-failover"])
+def test_scheduler_sigkilled_while_another_part_restarts(tmp_path, roles, gap_s):
+    """Two workers; another child of `up` is SIGKILLed, then the scheduler 0.3 s later: both come
+    back, and 12 streams end as an undisturbed run's."""
+    port = free_port_block(4)
+    address = f"tcp://127.0.0.1:{port}"
+    up = start_up(str(cached_model_dir("llama")), port, free_port(), tmp_path / "up.log", {SESSION_ENV: SESSION_TAG},
+                  workers=2)
+    try:
+        wait_ready(address, up, 180, tmp_path / "up.log")
+        r = asyncio.run(streams_through_kills(address, up, 12, MAX_TOKENS, kills=1, roles=roles, gap_s=gap_s))
+    finally:
+        stop_up(up)
+    for i, (got, want) in enumerate(zip(r["outs"], r["ref"])):
+        assert got == want, f"stream {i} differs from the undisturbed run"
+    print(f"\n{'+'.join(roles)}: SIGKILL -> next new token {summary(pauses(r['stamps'], r['kills'], 0))}")
 
 
 SSE_STREAMS, SSE_TOKENS = 8, 240
