@@ -65,7 +65,8 @@ class LivenessMixin:
                 # wire id is safe either way (the Abort frees a copy the new one got)
             lost.append(r)
         if lost:
-            log.warning("the scheduler restarted (%s -> %s); re-attaching %d live request(s)", prev, sid, len(lost))
+            log.warning("the scheduler restarted (%s -> %s); %s %d live request(s)", prev, sid,
+                        "re-attaching" if self.reattach else "lost", len(lost))
         for r in lost:
             if r.ended or r.frames is None:
                 self._end(r, ClusterUnavailable(RESTARTED), abort=True)
