@@ -61,6 +61,8 @@ def test_a_reattached_request_goes_on_with_the_same_tokens_and_text():
     assert all(o.prompt_token_ids is None for o in outs), "the client has the prompt ids already"
     (replayed,) = net.detok.new  # the detokenizer got the history and the text offset
     assert replayed.output_token_ids.tolist() == toks and replayed.text_offset == len(text)
+    m = net.c.metrics  # counted as re-attached; its first token was timed by the scheduler before
+    assert m.totals["reattached"] == 1 and m._sums["ttft"][1] == 0 and m.totals["requests_finished"] == 1
     (new,) = net.workers["g0"][0].seen_new  # recomputed as a preempted request is: prompt + tokens so far
     assert new.token_ids.tolist() == p + toks and new.num_prompt_tokens == len(p) and new.seed == first.seed
     assert not net.c.live, "it ended and was forgotten"
