@@ -259,6 +259,18 @@ class ShardMemory(Message):
     kv_bytes: int = 0
 
 
+MAX_KEPT_SEQS = 4096  # sequences a worker reports in one HELLO (services/worker/kept.py)
+
+
+class KeptSeq(Message):
+    """A sequence whose KV a worker still holds after its scheduler went away: the tokens whose
+    KV is in the cache (in order) and the blocks holding them. A restarted scheduler puts the
+    full blocks in its prefix cache, so a re-attached request continues without recomputing them."""
+
+    token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    block_ids: I32 = msgspec.field(default_factory=empty_i32)
+
+
 class Hello(Message, kw_only=True):
     role: Role
     protocol_version: int = PROTOCOL_VERSION  # position 1 in every version: a mismatch is named
@@ -278,6 +290,8 @@ class Hello(Message, kw_only=True):
     # policy reserves KV slots for that many lookahead tokens of each decoding request
     num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+    # after a scheduler restart: what this shard's KV cache still holds (services/worker/kept.py)
+    kept: Annotated[list[KeptSeq], msgspec.Meta(max_length=MAX_KEPT_SEQS)] = msgspec.field(default_factory=list)
 
     def check(self) -> str | None:
         if not self.tp_rank < self.tp_size:
@@ -599,4 +613,4 @@ MESSAGE_TYPES: dict[bytes, type[Message]] = {
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }
-NESTED_TYPES = (ChatMessage, ModelCard, ResumeSeq, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)
+NESTED_TYPES = (ChatMessage, ModelCard, ResumeSeq, KeptSeq, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)

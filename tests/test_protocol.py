@@ -125,6 +125,7 @@ def sample_messages() -> dict[type, list]:
                 max_model_len=8192,
                 dist_init_addr="tcp://10.0.0.1:29500",
                 memory=M.ShardMemory(rss_bytes=3 << 30, param_bytes=1 << 30, kv_bytes=60 << 30),
+                kept=[M.KeptSeq(token_ids=arr(range(40)), block_ids=arr([7, 3, 9]))],
             ),
             M.Hello(role="detokenizer", worker_id="detok-1"),
         ],

@@ -12,6 +12,10 @@ would have sent; a grammar matcher takes the received tokens again; the detokeni
 sequence's history and text offset, as after a detokenizer restart (delivery.py), so the text
 deltas start where the client's stopped. Nothing is sent twice: the client already has the
 prompt ids (no second first-Output) and every token up to its count.
+
+The recompute is cut short where the KV survived: a worker that rejoins after the restart
+reports the sequences its cache still holds (`Hello.kept`), and `seed_prefix_cache` puts their
+full blocks in the group's prefix cache, where the re-attached requests find them.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ import msgspec
 
 from zeroserve.common import messages as P
 from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.log import get_logger
 from zeroserve.services.scheduler.admission import check_token_ids
 from zeroserve.services.scheduler.request import Status
 
 if TYPE_CHECKING:
+    from zeroserve.services.scheduler.block_manager import BlockManager
     from zeroserve.services.scheduler.delivery import Live
+
+log = get_logger("scheduler")
 
 
 def as_submit(m: P.Reattach) -> tuple[P.Submit, dict[int, P.ResumeSeq] | None]:
@@ -77,3 +85,23 @@ def resume(live: Live, seqs: dict[int, P.ResumeSeq], vocab_size: int) -> None:
             req.finish_reason = s.finish_reason = got.finish_reason
             s.done = True
     live.sent_first = True  # the client has the prompt ids and first-token time already
+
+
+def seed_prefix_cache(bm: BlockManager, kept: list[P.KeptSeq], vocab_size: int) -> int:
+    """A group that joins a restarted scheduler with KV still in its cache (`Hello.kept`,
+    services/worker/kept.py): its full blocks go into the new block manager's prefix cache, so
+    the requests clients re-attach skip recomputing them (their first step looks their tokens
+    up there, as any request's does). Only for a group whose blocks hold what the tokens say:
+    one shard, every layer attending to all positions (a sliding window frees leading blocks
+    the worker still lists), no draft slots past the accepted tokens. Returns the blocks added."""
+    n = 0
+    bs = bm.block_size
+    for k in kept:
+        toks, blocks = k.token_ids.tolist(), k.block_ids.tolist()
+        if (len(toks) != len(blocks) * bs or any(not 0 <= b < bm.num_blocks for b in blocks)
+                or any(not 0 <= t < vocab_size for t in toks)):
+            log.warning("a kept sequence that does not fit this group's cache; its blocks are not reused",
+                        tokens=len(toks), blocks=len(blocks))
+            continue
+        n += bm.adopt_cached(toks, blocks)
+    return n

@@ -7,7 +7,8 @@ address), subscribe to the group's topic and acknowledge the scheduler's probe. 
 with the sampled tokens. Joining, heartbeats (from a thread with its own socket, so a long step
 never looks like death) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s; on a
 rejoin the shard drops its state and joins again (a tensor-parallel shard exits EXIT_RESYNC:
-its group's collectives are gone). SIGTERM drains: the group takes no new work, finishes what
+its group's collectives are gone); after a scheduler restart its HELLO lists the sequences whose
+KV its cache still holds (services/worker/kept.py), for the new scheduler to reuse. SIGTERM drains: the group takes no new work, finishes what
 it runs, and the shard exits 0.
 """
 
@@ -35,6 +36,7 @@ from zeroserve.common.transport import Channel, free_port, make_socket
 from zeroserve.services.backend_peer import BackendPeer, Refused
 from zeroserve.services.tiny_model import default_model_dir
 from zeroserve.services.worker import netif
+from zeroserve.services.worker.kept import Kept
 from zeroserve.services.worker.model_runner import ModelRunner
 
 log = get_logger("worker")
@@ -88,6 +90,7 @@ class WorkerService:
         self.ctx = zmq.Context()
         self.drain_requested = threading.Event()  # SIGTERM: finish what runs, then leave
         self.peer: BackendPeer | None = None  # the scheduler connection: joins, heartbeats, rejoins
+        self.kept = Kept()  # after a scheduler restart: the KV our cache still holds, for its HELLO
         self.steps_done = 0
         self.tokens_done = 0
         self.busy_s = 0.0  # total time spent computing steps
@@ -141,7 +144,8 @@ class WorkerService:
                        block_size=r.block_size, num_lookahead_tokens=r.num_lookahead_tokens,
                        max_model_len=self.args.max_model_len or
                        self.model_cfg.max_position_embeddings, memory=mem,
-                       dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None)
+                       dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None,
+                       kept=self.kept.report())
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         """After WELCOME: the tensor-parallel group, then the step socket subscribed to our topic."""
@@ -184,6 +188,7 @@ class WorkerService:
         try:
             while True:
                 welcome = self.peer.join(self._hello, self.drain_requested)
+                self.kept.clear()  # the scheduler has it, or we are leaving
                 if welcome is None:  # SIGTERM before we were welcomed, or our group was drained
                     break
                 try:
@@ -191,6 +196,8 @@ class WorkerService:
                     break
                 except Rejoin as e:
                     self._log_rejoin(str(e))
+                    if self.peer.rejoin_reason()[0] and self.tp_size == 1:  # a new scheduler: tell it our KV
+                        self.kept.take(self.runner.reqs.values(), self.runner.block_size)
                     self.runner.reqs.clear()
                     self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
                     if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
