@@ -128,6 +128,11 @@ async def kill_and_wait_restart(up: subprocess.Popen, timeout: float = 60.0,
 
 
 # ------------------------------------------------------------------------------- the streams
+async def _after(delay_s: float, fn):
+    await asyncio.sleep(delay_s)
+    return fn()
+
+
 async def streams_through_kills(address: str, up: subprocess.Popen, n: int, max_tokens: int, kills: int,
                                 client_timeout_s: float = 30.0, roles: tuple[str, ...] = ("scheduler",),
                                 gap_s: float = 0.0) -> dict:
@@ -173,8 +178,11 @@ async def streams_through_kills(address: str, up: subprocess.Popen, n: int, max_
                 assert not failed, failed
                 await asyncio.sleep(0.02)
             assert all(counts[i] < limits[i] for i in fast), f"a stream ended before a kill: raise max_tokens ({counts})"
+            # what each stream has once the outputs on the wire at the kill are in (not later: the
+            # restart may take longer than the streams do, if the kill missed)
+            snap = asyncio.ensure_future(_after(0.3 + gap_s * (len(roles) - 1), lambda: list(counts)))
             at.append(await kill_and_wait_restart(up, roles=roles, gap_s=gap_s))
-            base = list(counts)
+            base = await snap
         outs = await asyncio.wait_for(asyncio.gather(*tasks), 180)
     return {"ref": [(o.outputs[0].token_ids, o.outputs[0].text) for o in ref], "outs": outs, "kills": at,
             "stamps": stamps}
