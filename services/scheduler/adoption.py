@@ -27,7 +27,7 @@ import msgspec
 from zeroserve.common import messages as P
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import get_logger
-from zeroserve.services.scheduler.admission import check_token_ids
+from zeroserve.common.prompts import check_token_ids
 from zeroserve.services.scheduler.request import Status
 
 if TYPE_CHECKING:
