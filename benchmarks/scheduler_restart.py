@@ -57,11 +57,7 @@ def start_up(model_dir: str, port: int, gateway_port: int, log_path: Path, env: 
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, "-m", "zeroserve.services.cli", "up", "--model", model_dir,
                                  "--port", str(port), "--gateway-port", str(gateway_port), "--workers", str(workers),
-                                 "--threads", "1", "--num-kv-blocks", "512",
-                                 # fp32 at every row count: `auto` may pick bf16 matmuls from some row
-                                 # count on (a start-up timing), and then a prefill (the recompute) and
-                                 # a decode round differently; exactness needs one numeric mode
-                                 "--matmul-dtype", "float32", *extra],
+                                 "--threads", "1", "--num-kv-blocks", "512", *extra],
                                 env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
