@@ -191,6 +191,9 @@ class Output(Message):
     # of it is transport: benchmarks/serve.py tells the gateway's share apart with it)
     first_token_latency: float | None = None
     embedding: F32 | None = None  # an embedding request's answer: the pooled hidden state (not normalised)
+    # first chunk only: the request's seed (the caller's, or the one the scheduler drew), so a
+    # client re-attaching after a scheduler restart gets the same samples (services/scheduler/adoption.py)
+    seed: Seq | None = None
 
     def check(self) -> str | None:
         if type(self.token_ids) is not list:  # an array or tuple from the sender
@@ -212,6 +215,38 @@ class Output(Message):
 
 class Outputs(Message):
     items: list[Output] = msgspec.field(default_factory=list)
+
+
+MAX_REATTACH_SEQS = 1024  # completions of one re-attached request (SamplingParams caps n lower)
+
+
+class ResumeSeq(Message):
+    """What a client received of one completion before its scheduler died."""
+
+    index: Count = 0
+    token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    chars: Count = 0  # text characters received (str length)
+    finish_reason: FinishReason | None = None  # it had ended
+
+
+class Reattach(Message):
+    """A client's open request, sent again to a scheduler that restarted (or took over): the
+    original Submit (under a fresh request id) and what the client received so far. The
+    scheduler recomputes the prompt plus those tokens and streams from there: nothing lost or
+    repeated. Without ``prompt_token_ids`` (no output had arrived) it is a plain Submit."""
+
+    submit: Submit
+    prompt_token_ids: I32 | None = None  # as the first Output reported them
+    seed: Seq | None = None  # as the first Output reported it
+    seqs: Annotated[list[ResumeSeq], msgspec.Meta(max_length=MAX_REATTACH_SEQS)] = msgspec.field(
+        default_factory=list)
+
+    def check(self) -> str | None:
+        if self.seqs and self.prompt_token_ids is None:
+            return "resumed completions need the prompt_token_ids they continue"
+        if len({s.index for s in self.seqs}) != len(self.seqs):
+            return "a completion index appears twice"
+        return None
 
 
 class Error(Message):
@@ -238,6 +273,18 @@ class ShardMemory(Message):
     kv_bytes: int = 0
 
 
+MAX_KEPT_SEQS = 4096  # sequences a worker reports in one HELLO (services/worker/kept.py)
+
+
+class KeptSeq(Message):
+    """A sequence whose KV a worker still holds after its scheduler went away: the tokens whose
+    KV is in the cache (in order) and the blocks holding them. A restarted scheduler puts the
+    full blocks in its prefix cache, so a re-attached request continues without recomputing them."""
+
+    token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    block_ids: I32 = msgspec.field(default_factory=empty_i32)
+
+
 class Hello(Message, kw_only=True):
     role: Role
     protocol_version: int = PROTOCOL_VERSION  # position 1 in every version: a mismatch is named
@@ -260,6 +307,8 @@ class Hello(Message, kw_only=True):
     # what the shard computes (services/worker/numerics.py: matmul dtype / kernel build / KV dtype
     # / weight format): groups of one model must compute alike for failover to stay exact
     numeric_mode: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    # after a scheduler restart: what this shard's KV cache still holds (services/worker/kept.py)
+    kept: Annotated[list[KeptSeq], msgspec.Meta(max_length=MAX_KEPT_SEQS)] = msgspec.field(default_factory=list)
 
     def check(self) -> str | None:
         if not self.tp_rank < self.tp_size:
@@ -592,8 +641,8 @@ class Event(Message):
 MESSAGE_TYPES: dict[bytes, type[Message]] = {
     cls.__name__.encode(): cls
     for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, MetricsRequest,
-                MetricsReply, Output, Outputs,
+                MetricsReply, Output, Outputs, Reattach,
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }
-NESTED_TYPES = (ChatMessage, ModelCard, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)
+NESTED_TYPES = (ChatMessage, ModelCard, ResumeSeq, KeptSeq, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)

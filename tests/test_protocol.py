@@ -101,6 +101,13 @@ def sample_messages() -> dict[type, list]:
                          M.MetricsReply()],
         M.Output: [output, plain_output],
         M.Outputs: [M.Outputs(items=[output, plain_output]), M.Outputs()],
+        M.Reattach: [
+            M.Reattach(submit=M.Submit(request_id="q~1", prompt="Hello", params=PARAMS, stream=True),
+                       prompt_token_ids=arr([1, 2, 3]), seed=2**62,
+                       seqs=[M.ResumeSeq(index=0, token_ids=arr([4, 5]), chars=7),
+                             M.ResumeSeq(index=1, token_ids=arr([6]), chars=2, finish_reason="length")]),
+            M.Reattach(submit=M.Submit(request_id="q~2", prompt_token_ids=arr([1]))),
+        ],
         M.Error: [M.Error(request_id=None, code="overloaded", message="queue full"), M.Error(request_id="q")],
         M.Hello: [
             M.Hello(
@@ -118,6 +125,7 @@ def sample_messages() -> dict[type, list]:
                 max_model_len=8192,
                 dist_init_addr="tcp://10.0.0.1:29500",
                 memory=M.ShardMemory(rss_bytes=3 << 30, param_bytes=1 << 30, kv_bytes=60 << 30),
+                kept=[M.KeptSeq(token_ids=arr(range(40)), block_ids=arr([7, 3, 9]))],
             ),
             M.Hello(role="detokenizer", worker_id="detok-1"),
         ],

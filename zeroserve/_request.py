@@ -114,6 +114,8 @@ def _check_timeout(name: str, v: Any, allow_none: bool = True) -> float | None:
 
 class _Req:
     __slots__ = (
+        "attempts",
+        "chars",
         "done",
         "ended",
         "error",
@@ -122,6 +124,8 @@ class _Req:
         "first_delta",
         "first_latency",
         "frames",
+        "keep_left",
+        "kept",
         "n",
         "nonce0",
         "num_cached",
@@ -132,6 +136,7 @@ class _Req:
         "remaining",
         "retries",
         "rid",
+        "seed",
         "sent_ids",
         "sid",
         "started",
@@ -176,6 +181,13 @@ class _Req:
         self.sid: str | None = None
         self.retries = 0
         self.started = False  # an Output arrived: no longer safe to re-submit
+        self.attempts = 0  # re-submissions and re-attachments so far (the k of wire id rid~k)
+        # what it received, per completion, to re-attach to a restarted scheduler (liveness.py):
+        # token ids and text characters, while at most `keep_left` more tokens (None: not kept)
+        self.kept: list[list[int]] | None = [[] for _ in range(self.n)]
+        self.chars = [0] * self.n
+        self.keep_left = 0
+        self.seed: int | None = None  # the seed the first Output reported
 
     def feed(self, item: P.Output) -> bool:
         """Take one Output item; True when every completion has finished."""
@@ -184,10 +196,18 @@ class _Req:
             self.prompt_ids = item.prompt_token_ids
             self.num_cached = item.num_cached_tokens
             self.first_latency = item.first_token_latency
+            self.seed = item.seed
         i = item.index
         if i >= self.n:
             log.warning("output for completion %d of request %r, which asked for n=%d; dropped", i, self.rid, self.n)
             return False
+        if self.kept is not None:
+            self.keep_left -= len(item.token_ids)
+            if self.keep_left < 0:  # over the client's limit: a restart loses this request
+                self.kept = None
+            else:
+                self.kept[i].extend(item.token_ids)
+                self.chars[i] += len(item.text)
         if self.streaming:
             self.queue.append(item)
             w = self.waiter
@@ -202,6 +222,15 @@ class _Req:
             self.remaining -= 1
             return self.remaining == 0
         return False
+
+    def reattach(self, submit: P.Submit) -> P.Reattach:
+        """This request for a new scheduler: ``submit`` (under a new id) and what it received."""
+        if self.prompt_ids is None:  # no output yet: it simply runs again
+            return P.Reattach(submit=submit)
+        return P.Reattach(submit=submit, prompt_token_ids=self.prompt_ids, seed=self.seed, seqs=[
+            P.ResumeSeq(index=i, token_ids=np.asarray(self.kept[i], np.int32), chars=self.chars[i],
+                        finish_reason=self.finish[i] if self.fin[i] else None)
+            for i in range(self.n) if self.kept[i] or self.fin[i]])
 
     def end_local(self, reason: str) -> None:
         """Finish every completion not finished yet with ``reason`` (a local abort)."""

@@ -29,11 +29,14 @@ client ROUTER, and two background tasks on the event loop the client is first us
   scheduler for ``timeout_s``.
 * every ``Pong`` names the scheduler (``scheduler_id``, new at each start; also in
   ``zeroserve/liveness.py``). A request belongs to the scheduler that answers the first Ping
-  sent after its Submit; a Pong from another one means the scheduler restarted and the
-  request is lost with it: it fails at once with ``ClusterUnavailable("the scheduler
-  restarted; ...")`` (within a ping interval of the new scheduler's start), or, with
-  ``retries=N``, is submitted again to the new scheduler when it had no output yet (nothing
-  was streamed, so a second run repeats nothing).
+  sent after its Submit; a Pong from another one means the scheduler restarted: the client
+  re-attaches the request to the new one (the original Submit and what it received so far),
+  which recomputes it and streams on from the next token. The caller's stream pauses for the
+  restart and goes on with the same tokens (greedy and seeded alike). A request that received
+  more than ``reattach_max_tokens`` tokens (or any, with ``reattach=False``) fails with
+  ``ClusterUnavailable("the scheduler restarted; ...")`` instead, or, with ``retries=N``, is
+  submitted again when it had no output yet. A scheduler silent for ``timeout_s`` (none came
+  back) fails the requests as before.
 
 Every way a request can end early on the client side (``abort()``, ``request_timeout_s``, the
 cluster going silent, leaving a stream with ``break`` / ``aclose()``, cancelling the task that
@@ -89,6 +92,8 @@ log = logging.getLogger("zeroserve.client")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7000"
 PING_INTERVAL_S = 1.0  # the scheduler's client_timeout (10 s) counts on this
+# tokens a request keeps to re-attach to a restarted scheduler (4 bytes each: 1 MiB a request)
+DEFAULT_REATTACH_MAX_TOKENS = 1 << 18
 
 
 def _swallow(fut: asyncio.Future) -> None:
@@ -133,16 +138,26 @@ class AsyncClient(LivenessMixin):
     whose client key to use (``clients/NAME.key_secret``; the scheduler admits only client keys on
     the client port); None = ``$ZEROSERVE_CURVE_CLIENT`` or "client".
     A missing key file raises ``CurveKeyError`` here, naming the file.
-    ``retries``: how many times a request the scheduler lost in a restart is submitted again to
-    the new one, as long as none of its output had arrived (0: it fails with ClusterUnavailable).
+    ``retries``: with ``reattach=False``, how many times a request the scheduler lost in a restart
+    is submitted again to the new one, as long as none of its output had arrived (0: it fails
+    with ClusterUnavailable).
+    ``reattach``: re-attach open requests to a restarted scheduler (default); each request keeps
+    the token ids it received for that, up to ``reattach_max_tokens`` (past it, 4 bytes a token,
+    a restart fails it with ClusterUnavailable). How long a restart may take: ``timeout_s``.
     """
 
     def __init__(self, address: str | int = DEFAULT_ADDRESS, timeout_s: float = 10.0,
                  request_timeout_s: float | None = None, *, curve_keys: str | os.PathLike | bool | None = None,
-                 curve_client_name: str | None = None, retries: int = 0) -> None:
+                 curve_client_name: str | None = None, retries: int = 0, reattach: bool = True,
+                 reattach_max_tokens: int = DEFAULT_REATTACH_MAX_TOKENS) -> None:
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
             raise InvalidRequest(f"retries must be an integer in [0, 100], got {retries!r}")
+        if (isinstance(reattach_max_tokens, bool) or not isinstance(reattach_max_tokens, int)
+                or reattach_max_tokens < 0):
+            raise InvalidRequest(f"reattach_max_tokens must be an integer >= 0, got {reattach_max_tokens!r}")
         self.retries = retries
+        self.reattach = bool(reattach)
+        self.reattach_max_tokens = reattach_max_tokens
         try:
             self.address = tcp_addr(address)
         except ValueError as e:
@@ -281,7 +296,11 @@ class AsyncClient(LivenessMixin):
                                  tools=tools, **({} if pooling is None else {"kind": "embed", "pooling": pooling})))
         r = _Req(request_id, sp, streaming, loop.time(), text, ids, None if streaming else loop.create_future())
         r.nonce0, r.retries = self._nonce, self.retries
-        if self.retries:
+        if self.reattach:
+            r.keep_left = self.reattach_max_tokens
+        else:
+            r.kept = None
+        if self.retries or self.reattach:
             r.frames = frames
         if timeout is not None:
             r.timer = loop.call_later(timeout, self._on_request_timeout, r, timeout)

@@ -28,6 +28,7 @@ from zeroserve.common.errors import InvalidRequest, Overloaded, RequestTimeout, 
 from zeroserve.common.log import LogBudget, get_logger
 from zeroserve.common.prompts import check_prompt_ids, check_text_size, split_prompt
 from zeroserve.common.sampling_params import SamplingParams, with_model_defaults
+from zeroserve.services.scheduler import adoption
 from zeroserve.services.scheduler.admission import check_params_for_model, fan_out
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
@@ -80,7 +81,7 @@ class Cluster:
         self.delivery.metrics = self.metrics
 
     def client_handlers(self) -> dict[type, Handler]:
-        return {P.Submit: self.on_submit, P.Abort: self.on_abort, P.Ping: self.on_ping,
+        return {P.Submit: self.on_submit, P.Reattach: self.on_reattach, P.Abort: self.on_abort, P.Ping: self.on_ping,
                 P.StatsRequest: self.on_stats_request, P.ModelsRequest: self.on_models_request,
                 P.MetricsRequest: self.on_metrics_request}
 
@@ -90,7 +91,8 @@ class Cluster:
                 P.Drain: self.on_drain, P.Goodbye: self.on_goodbye, P.WorkerError: self.on_worker_error}
 
     # ================================================================ clients
-    def on_submit(self, ident: bytes, m: P.Submit, now: float) -> Outbox:
+    def on_submit(self, ident: bytes, m: P.Submit, now: float, resume: dict | None = None) -> Outbox:
+        """A request; `resume`: what a re-attached one's completions already have (adoption.py)."""
         self.client_seen[ident] = now
         if (ident, m.request_id) in self.by_client:
             raise InvalidRequest(f"request id {m.request_id!r} is already running on this client")
@@ -114,7 +116,7 @@ class Cluster:
             params, pooling = SamplingParams(max_tokens=1, model=model), m.pooling or self.models[model].pooling
         key = str(next(self.keys))
         self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
-                              deadline=now + m.timeout_s if m.timeout_s else None, pooling=pooling)
+                              deadline=now + m.timeout_s if m.timeout_s else None, resume=resume, pooling=pooling)
         self.by_client[(ident, m.request_id)] = key
         so = params.structured_outputs  # its grammar compiles in the shell's pool, with the prompt
         if m.prompt_token_ids is not None and so is None:
@@ -155,6 +157,11 @@ class Cluster:
             self._abort(self.live[key], "abort", ob)
         return ob
 
+    def on_reattach(self, ident: bytes, m: P.Reattach, now: float) -> Outbox:
+        """A request another scheduler instance left open, with what its client received."""
+        sub, resume = adoption.as_submit(m)
+        return self.on_submit(ident, sub, now, resume)
+
     def on_ping(self, ident: bytes, m: P.Ping, now: float) -> Outbox:
         self.client_seen[ident] = now
         ob = Outbox()
@@ -194,6 +201,11 @@ class Cluster:
         live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len, grammar)]
         for s in live.seqs:
             s.req.pooling = live.pooling
+        if live.resume is not None:
+            adoption.resume(live, live.resume, vocab)
+            if all(s.done for s in live.seqs):  # every completion had ended: nothing left to run
+                self._forget(live)
+                return
         self.delivery.add(live)
         self.metrics.admitted(live)
         self._route(live)

@@ -58,6 +58,7 @@ class Live:
     deadline: float | None = None
     created: float = 0.0
     sent_first: bool = False
+    resume: dict | None = None  # re-attached: what each completion's client has (adoption.py)
     pooling: str | None = None  # an embedding request: no text, the detokenizer never sees it
 
 
@@ -110,8 +111,8 @@ class Delivery:
         """A request just admitted: index its sequences, introduce them to the detokenizer."""
         for s in live.seqs:
             self.seq_index[s.req.req_id] = SeqRef(live, s)
-            if live.pooling is None:
-                self.detok_new.append(self._detok_request(live, s))
+            if live.pooling is None and not s.done:  # re-attached ones start from what their client has
+                self.detok_new.append(self._detok_request(live, s, replay=s.delivered > 0))
 
     def embedded(self, events: list[TokenEvent], now: float) -> list[Live]:
         """Embedding requests the policy finished: one Output each with the vector (the
@@ -330,6 +331,7 @@ class Delivery:
             live.sent_first = True
             o.prompt_token_ids = np.asarray(live.prompt_ids, np.int32)
             o.num_cached_tokens = max(x.req.num_cached_tokens for x in live.seqs)
+            o.seed = live.seqs[0].req.seed  # sample 0's is the request's (admission.child_seed)
             if toks and now is not None:  # a first Output without tokens (an abort) has no first-token time
                 o.first_token_latency = max(0.0, now - live.created)
         self.out_buf.setdefault(live.client, []).append(o)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from zeroserve.common import messages as P
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import LogBudget, get_logger
+from zeroserve.services.scheduler.adoption import seed_prefix_cache
 from zeroserve.services.scheduler.block_manager import BlockManager
 from zeroserve.services.scheduler.outbox import Outbox
 from zeroserve.services.scheduler.policy import Scheduler as Policy
@@ -318,6 +319,11 @@ class Groups:
         g.state = GroupState.READY
         g.seq = 0
         log.info("group ready", group=g.name, model=g.model, tp=g.tp_size, kv_blocks=blocks)
+        kept, g.shards[0].hello.kept = g.shards[0].hello.kept, []  # read once: its memory goes
+        if kept and g.tp_size == 1 and mc.kv_window is None and not g.policy.num_lookahead_tokens:
+            n = seed_prefix_cache(g.policy.bm, kept, mc.vocab_size)
+            log.info("KV kept through a scheduler restart is in the prefix cache", group=g.name, seqs=len(kept),
+                     blocks=n)
 
     def drain(self, g: Group, worker_id: str, now: float) -> None:
         if g.state in (GroupState.READY, GroupState.PROBING, GroupState.JOINING):

@@ -137,6 +137,8 @@ class SchedulerMetrics:
         self.groups = Gauge(p + "worker_groups", "Worker groups by state.", [*MODEL, "state"], registry=r)
         self.requeued_total = counter("requests_requeued", "Requests routed again after their worker group ended "
                                                      "(failovers).")
+        self.reattached_total = counter("requests_reattached", "Requests a client re-attached to this scheduler "
+                                                               "after the one that had them went away.")
         self.group_kv = gauge("group_kv_cache_usage_perc", "KV-cache usage of one worker group (1 = 100 percent).",
                               [*MODEL, "group"])
         self.group_steps = counter("group_steps", "Steps a worker group completed.", [*MODEL, "group"])
@@ -146,7 +148,7 @@ class SchedulerMetrics:
             for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
                            self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                            self.e2e, self.queue_time, self.req_prompt, self.req_generation, self.iteration,
-                           self.requeued_total, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                           self.requeued_total, self.reattached_total, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
                 metric.labels(m)
             for st in GROUP_STATES:
                 self.groups.labels(m, st)
@@ -158,7 +160,7 @@ class SchedulerMetrics:
         self._models: set[str] = set()
         # plain totals for summary() (StatsReply, `zeroserve status`)
         self.totals = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
-                       "requeued": 0, "preemptions": 0, "prefix_cache_hits": 0, "prefix_cache_queries": 0,
+                       "requeued": 0, "reattached": 0, "preemptions": 0, "prefix_cache_hits": 0, "prefix_cache_queries": 0,
                        "refused": 0, "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
                        "spec_decode_num_accepted_tokens": 0}
         self._sums = {"ttft": [0.0, 0], "itl": [0.0, 0], "e2e": [0.0, 0], "queue": [0.0, 0]}
@@ -184,9 +186,13 @@ class SchedulerMetrics:
     # ================================================================ hooks
     def admitted(self, live: Live) -> None:
         n = len(live.prompt_ids)
-        self._req[live.key] = _Times(live.model, live.created, n)
+        t = self._req[live.key] = _Times(live.model, live.created, n)
         self._at(self.prompt_tokens, live.model).inc(n)
         self.totals["prompt_tokens"] += n
+        if live.resume is not None:  # its first token went out from the scheduler before: no TTFT here
+            t.first_token = True
+            self.reattached_total.labels(live.model).inc()
+            self.totals["reattached"] += 1
 
     def step(self, g: Any, step: Any, sent_at: float, delivery: Delivery) -> None:
         """A group's step came back: its new requests were scheduled at `sent_at`."""

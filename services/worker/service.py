@@ -7,7 +7,8 @@ address), subscribe to the group's topic and acknowledge the scheduler's probe. 
 with the sampled tokens. Joining, heartbeats (from a thread with its own socket, so a long step
 never looks like death) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s; on a
 rejoin the shard drops its state and joins again (a tensor-parallel shard exits EXIT_RESYNC:
-its group's collectives are gone). SIGTERM drains: the group takes no new work, finishes what
+its group's collectives are gone); after a scheduler restart its HELLO lists the sequences whose
+KV its cache still holds (services/worker/kept.py), for the new scheduler to reuse. SIGTERM drains: the group takes no new work, finishes what
 it runs, and the shard exits 0.
 """
 
@@ -34,6 +35,7 @@ from zeroserve.common.model_config import ModelConfig
 from zeroserve.common.transport import Channel, free_port, make_socket
 from zeroserve.services.backend_peer import BackendPeer, Refused
 from zeroserve.services.worker import netif
+from zeroserve.services.worker.kept import Kept
 from zeroserve.services.worker.model_runner import ModelRunner
 
 log = get_logger("worker")
@@ -60,8 +62,9 @@ DRAINED_WAIT_S = 1.0  # after a Shutdown we did not ask for: how long a "drained
 
 def shard_hello(runner: ModelRunner, args: EngineArgs, model_cfg: ModelConfig, **who) -> P.Hello:
     """A shard's HELLO: its model and capacity (KV blocks, lookahead, length cap, memory) from
-    its runner, and `who` it is (worker_id, group, ranks, device, host, pid, dist_init_addr).
-    The worker process sends it; the in-process engine hands it to the same state."""
+    its runner, and `who` it is (worker_id, group, ranks, device, host, pid, dist_init_addr;
+    after a scheduler restart, the KV it `kept`). The worker process sends it; the in-process
+    engine hands it to the same state."""
     mem = P.ShardMemory(rss_bytes=psutil.Process().memory_info().rss, param_bytes=runner.param_bytes(),
                         kv_bytes=runner.kv_bytes_per_block() * runner.num_blocks)
     return P.Hello(role="worker", model=model_cfg.name, num_kv_blocks=runner.num_blocks,
@@ -99,6 +102,7 @@ class WorkerService:
         self.ctx = zmq.Context()
         self.drain_requested = threading.Event()  # SIGTERM: finish what runs, then leave
         self.peer: BackendPeer | None = None  # the scheduler connection: joins, heartbeats, rejoins
+        self.kept = Kept()  # after a scheduler restart: the KV our cache still holds, for its HELLO
         self.steps_done = 0
         self.tokens_done = 0
         self.busy_s = 0.0  # total time spent computing steps
@@ -146,7 +150,8 @@ class WorkerService:
         return shard_hello(self.runner, self.args, self.model_cfg, worker_id=self.worker_id, group=self.group,
                            tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
                            host=socket.gethostname(), pid=os.getpid(),
-                           dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None)
+                           dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None,
+                           kept=self.kept.report())
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         """After WELCOME: the tensor-parallel group, then the step socket subscribed to our topic."""
@@ -189,6 +194,7 @@ class WorkerService:
         try:
             while True:
                 welcome = self.peer.join(self._hello, self.drain_requested)
+                self.kept.clear()  # the scheduler has it, or we are leaving
                 if welcome is None:  # SIGTERM before we were welcomed, or our group was drained
                     break
                 try:
@@ -196,6 +202,8 @@ class WorkerService:
                     break
                 except Rejoin as e:
                     self._log_rejoin(str(e))
+                    if self.peer.rejoin_reason()[0] and self.tp_size == 1:  # a new scheduler: tell it our KV
+                        self.kept.take(self.runner.reqs.values(), self.runner.block_size)
                     self.runner.reqs.clear()
                     self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
                     if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
