@@ -62,8 +62,9 @@ def test_mode_names_tell_every_arithmetic_apart():
              numerics.mode_name("bfloat16", lib, torch.bfloat16, None),
              numerics.mode_name("bfloat16", lib, torch.float32, "int4"),
              numerics.mode_name("float32", None, torch.float32, None),
-             numerics.mode_name("float32", lib, torch.float32, None, on_torch=2)}
-    assert len(names) == 8
+             numerics.mode_name("float32", lib, torch.float32, None, on_torch=2),
+             numerics.mode_name("float32", lib, torch.float32, None, attention="torch")}
+    assert len(names) == 9
     assert numerics.mode_name("float32", lib, torch.float32, None) == "float32/cpu-avx512/kv-float32/weights-auto"
     # fp32 does not depend on the bf16 path
     assert numerics.mode_name("float32", emu, torch.float32, None) == numerics.mode_name("float32", lib, torch.float32,

@@ -79,7 +79,8 @@ def configure(runner) -> str:
     lib = cpu_native.quant_lib()
     hold_bf16 = matmul == "bfloat16" and wants_bf16(args.dtype)
     on_torch = apply(model, matmul == "bfloat16", hold_bf16=hold_bf16, kernels=lib is not None)
-    runner.numeric_mode = mode_name(matmul, lib, runner.kv_dtype, getattr(args, "quantization", None), on_torch)
+    runner.numeric_mode = mode_name(matmul, lib, runner.kv_dtype, getattr(args, "quantization", None), on_torch,
+                                    attention=runner.backend)
     if on_torch:
         log.warning("some linears run on torch's GEMM, whose rounding of a row can depend on the batch",
                     linears=on_torch, reason=cpu_native.quant_unavailable_reason() or "K not a multiple of 32")
@@ -112,9 +113,11 @@ def apply(model: torch.nn.Module, bf16: bool, hold_bf16: bool = False, kernels: 
     return on_torch
 
 
-def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None, on_torch: int = 0) -> str:
+def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None, on_torch: int = 0,
+              attention: str = "cpu") -> str:
     """What a CPU worker computes, as one comparable string: matmul dtype / kernel build (and bf16
-    path) / KV cache dtype / weight format, e.g. "float32/cpu-avx512/kv-float32/weights-auto"."""
+    path) / KV cache dtype / weight format, e.g. "float32/cpu-avx512/kv-float32/weights-auto";
+    then any part that leaves the kernels (linears on torch, another attention backend)."""
     if lib is None:
         build = "cpu-torch"
     else:
@@ -124,4 +127,6 @@ def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None,
     parts = [matmul, build, "kv-" + str(kv_dtype).removeprefix("torch."), f"weights-{quantization or 'auto'}"]
     if on_torch:
         parts.append(f"torch-linears-{on_torch}")
+    if attention != "cpu":  # --attention-backend torch: the padded SDPA twin, not per-row
+        parts.append(f"attention-{attention}")
     return "/".join(parts)
