@@ -225,6 +225,16 @@ def test_alone_in_a_batch_of_16_and_preempted_give_the_same_bits(mode, seeded):
 
 @needs_kernels
 @pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_the_thread_count_does_not_change_a_bit(mode):
+    """The kernels split output rows (and attention heads) over threads, never a row's sum."""
+    llm = _llm(mode)
+    ref = _result(llm.generate(TARGET, _params(True))[0])
+    torch.set_num_threads(2)  # the autouse fixture sets 1 back
+    assert _result(llm.generate(TARGET, _params(True))[0]) == ref
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
 def test_moe_alone_and_in_a_batch_of_16_give_the_same_bits(mode):
     """MoE: the router and the experts on the kernel too (a token's rows no longer depend on how
     many other tokens chose its experts)."""
