@@ -46,7 +46,11 @@ def test_matmul_choice_is_a_rule_on_the_arguments(monkeypatch, native):
     assert c(None, "float32")[0] == "float32"
     for d in ("bfloat16", "bf16", torch.bfloat16):
         assert c("auto", d)[0] == "bfloat16"
-    assert c("float32", "bfloat16")[0] == "float32"  # the explicit matmul choice wins
+    assert c("float32", "fp32")[0] == "float32" and c("bfloat16", "bf16")[0] == "bfloat16"
+    for matmul, dtype in (("bfloat16", "float32"), ("float32", "bfloat16")):  # --dtype float32 means float32
+        with pytest.raises(ModelLoadError, match="contradict"):
+            c(matmul, dtype)
+    assert c("bfloat16", "float16")[0] == "bfloat16"  # a GPU dtype: the CPU path never sees it
     assert c("bfloat16", "auto") == ("bfloat16", "--matmul-dtype bfloat16")
     with pytest.raises(ModelLoadError, match="matmul_dtype"):
         c("int8", "auto")

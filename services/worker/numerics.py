@@ -38,7 +38,7 @@ from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.log import get_logger
 from zeroserve.kernels import cpu_native
 from zeroserve.kernels.quant import QuantizedWeight
-from zeroserve.services.worker.dtype import wants_bf16
+from zeroserve.services.worker.dtype import requested, wants_bf16
 from zeroserve.services.worker.model.layers import QuantizableWeight, VocabParallelEmbedding
 from zeroserve.services.worker.model.moe import Router
 
@@ -52,7 +52,13 @@ def matmul_choice(matmul_dtype: str | None, dtype: str | torch.dtype) -> tuple[s
     name = str(matmul_dtype or "auto").strip().lower()
     if name not in MATMUL_DTYPES:
         raise ModelLoadError(f"unsupported matmul_dtype {name!r}; use one of {MATMUL_DTYPES}")
+    asked = requested(dtype)
     if name != "auto":
+        if asked in (torch.float32, torch.bfloat16) and asked != {"float32": torch.float32,
+                                                                   "bfloat16": torch.bfloat16}[name]:
+            # --dtype float32 promises float32 in every matmul: a contradiction is refused, not resolved
+            raise ModelLoadError(f"--dtype {dtype} and --matmul-dtype {name} contradict each other; "
+                                 "give one of them (or --dtype auto)")
         return name, f"--matmul-dtype {name}"
     if wants_bf16(dtype):
         return "bfloat16", "--dtype bfloat16 (on a CPU: the bf16 matmul regime, fp32 elsewhere)"
