@@ -529,17 +529,23 @@ class DetokTokens(Message):
 
 class DetokOutputs(Message):
     """Text deltas for a DetokTokens batch; ``stop_strs[i]`` is the stop string that ended
-    request i (its text already truncated)."""
+    request i (its text already truncated) and ``stop_tokens[i]`` how many of the batch's
+    tokens of request i came up to and including the one that completed it: the output ends
+    there, however the tokens were batched (a batch of three whose first completed the stop
+    string once delivered all three). Empty: every token of the batch (older detokenizers)."""
 
     seq: Seq = 0
     req_ids: list[Name] = msgspec.field(default_factory=list)
     text_deltas: list[str] = msgspec.field(default_factory=list)
     stop_strs: list[str | None] = msgspec.field(default_factory=list)
+    stop_tokens: list[Count] = msgspec.field(default_factory=list)
 
     def check(self) -> str | None:
         r = len(self.req_ids)
         if len(self.text_deltas) != r or len(self.stop_strs) != r:
             return f"text_deltas ({len(self.text_deltas)}) and stop_strs ({len(self.stop_strs)}) need {r} entries"
+        if self.stop_tokens and len(self.stop_tokens) != r:
+            return f"stop_tokens ({len(self.stop_tokens)}) needs {r} entries (or none)"
         return None
 
 

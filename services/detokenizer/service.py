@@ -154,14 +154,20 @@ class DetokenizerService:
                 self.states[item.req_id] = det
             return None
         if isinstance(msg, P.DetokTokens):
-            ids, texts, stops = [], [], []
+            ids, texts, stops, used = [], [], [], []
             for rid, toks, reason in zip(msg.req_ids, msg.per_request(), msg.finish_reasons):
                 det = self.states.get(rid)
                 if det is None:
                     continue
-                delta = det.add_tokens(toks.tolist()) if len(toks) else None
-                text = delta.text_delta if delta else ""
-                stop = delta.stop_str if delta else None
+                # one token at a time, as the in-process engine feeds them: a stop string ends
+                # the output at the token that completed it, whatever the batch held
+                text, stop, n = "", None, len(toks)
+                for i, t in enumerate(toks.tolist()):
+                    delta = det.add_tokens([t])
+                    text += delta.text_delta
+                    if delta.stop_str is not None:
+                        stop, n = delta.stop_str, i + 1
+                        break
                 if stop is None and reason is not None:
                     text += det.finish()
                 text = self._reconcile(rid, text)
@@ -172,7 +178,8 @@ class DetokenizerService:
                 ids.append(rid)
                 texts.append(text)
                 stops.append(stop)
-            return P.DetokOutputs(seq=msg.seq, req_ids=ids, text_deltas=texts, stop_strs=stops)
+                used.append(n)
+            return P.DetokOutputs(seq=msg.seq, req_ids=ids, text_deltas=texts, stop_strs=stops, stop_tokens=used)
         if isinstance(msg, P.DetokFree):
             for rid in msg.req_ids:
                 self.states.pop(rid, None)

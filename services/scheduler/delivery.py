@@ -264,20 +264,22 @@ class Delivery:
         if entry is None:
             return []
         ended: dict[str, Live] = {}
-        for rid, text, stop_str in zip(m.req_ids, m.text_deltas, m.stop_strs):
+        for i, (rid, text, stop_str) in enumerate(zip(m.req_ids, m.text_deltas, m.stop_strs)):
             ref = self.seq_index.get(rid)
             if ref is None or rid not in entry:
                 continue
             live, s = ref
             if s.done:
                 continue
-            reason = entry[rid].reason
+            reason, count = entry[rid].reason, entry[rid].count
             if stop_str is not None:
                 stop(live, s, stop_str)
                 reason = "stop"
                 s.req.finish_reason, s.req.stop_reason = "stop", stop_str
+                if m.stop_tokens:  # the output ends at the token that completed the stop string
+                    count = min(count, m.stop_tokens[i])
             start = s.delivered
-            toks = s.req.output_token_ids[start:start + entry[rid].count]
+            toks = s.req.output_token_ids[start:start + count]
             s.delivered += len(toks)
             s.chars += len(text)
             self.output(live, s, toks, text, reason, s.req.stop_reason if reason == "stop" else None, start, now)
