@@ -126,8 +126,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--matmul-dtype", default="float32",
-                    help="every engine's --matmul-dtype (default float32: speculation keeps auto in fp32, "
-                         "so the engine without it must compute in fp32 too for the outputs to compare)")
+                    help="every engine's --matmul-dtype (one numeric mode for all, so the outputs compare "
+                         "token for token; bfloat16 works as well as float32)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     set_threads(a.threads)

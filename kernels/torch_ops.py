@@ -260,15 +260,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    decode=None,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q[T,Hq,D] over the paged cache (new K/V already written).
-
-    ``decode``, when given, computes the decode rows instead of the batched SDPA below:
-    ``decode(q_rows [n, Hq, D], block_tables [n, W], seq_lens [n]) -> [n, Hq, D]`` (the CPU op
-    set passes its compiled kernel; prefill/extend rows always run here).
+    """Causal attention of q[T,Hq,D] over the paged cache (new K/V already written). The
+    reference twin: its padded batches round a row by the other rows' lengths (the CPU op set's
+    compiled kernel does not: kernels/cpu_ops.py).
 
     Decode requests (q_len == 1) run as batched SDPA calls with the GQA group folded into the
     query axis (K/V gathered once per kv head, never expanded); prefill/extend requests as
@@ -276,7 +273,7 @@ def paged_attention(
     padding costs at most PAD_WASTE x the ragged work (usually one group). Softmax in fp32,
     output in q.dtype. Rows past query_start_loc[-1] (padding tokens) come back as zeros.
 
-    ``sliding_window`` / ``softcap``: see _attention_group (``decode`` must then honour them too).
+    ``sliding_window`` / ``softcap``: see _attention_group.
     """
     win = dict(window=sliding_window, softcap=softcap)
     t = q.shape[0]
@@ -294,18 +291,12 @@ def paged_attention(
                                meta.max_seq_len, scale, **win)
         return res[:, 0].to(q.dtype)
 
-    if decode is not None and meta.max_query_len <= 1 and t == nreq:  # every request decodes
-        return decode(q, bt, seq_lens).to(q.dtype)
-
     if meta.max_query_len <= 1:
         dec, ext = (q_lens == 1).nonzero().flatten(), None
     else:
         dec, ext = (q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero().flatten()
     out = torch.zeros_like(q)
-    if dec.numel() and decode is not None:
-        rows = qsl[dec]
-        out[rows] = decode(q[rows], bt[dec], seq_lens[dec]).to(q.dtype)
-    elif dec.numel():
+    if dec.numel():
         # decode rows: batched, grouped by length so short requests are not padded to the
         # longest one (gather + attention cost ~ n * max_len per group)
         dec_l = dec.tolist()

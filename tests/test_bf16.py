@@ -46,7 +46,11 @@ def test_matmul_choice_is_a_rule_on_the_arguments(monkeypatch, native):
     assert c(None, "float32")[0] == "float32"
     for d in ("bfloat16", "bf16", torch.bfloat16):
         assert c("auto", d)[0] == "bfloat16"
-    assert c("float32", "bfloat16")[0] == "float32"  # the explicit matmul choice wins
+    assert c("float32", "fp32")[0] == "float32" and c("bfloat16", "bf16")[0] == "bfloat16"
+    for matmul, dtype in (("bfloat16", "float32"), ("float32", "bfloat16")):  # --dtype float32 means float32
+        with pytest.raises(ModelLoadError, match="contradict"):
+            c(matmul, dtype)
+    assert c("bfloat16", "float16")[0] == "bfloat16"  # a GPU dtype: the CPU path never sees it
     assert c("bfloat16", "auto") == ("bfloat16", "--matmul-dtype bfloat16")
     with pytest.raises(ModelLoadError, match="matmul_dtype"):
         c("int8", "auto")
@@ -62,8 +66,9 @@ def test_mode_names_tell_every_arithmetic_apart():
              numerics.mode_name("bfloat16", lib, torch.bfloat16, None),
              numerics.mode_name("bfloat16", lib, torch.float32, "int4"),
              numerics.mode_name("float32", None, torch.float32, None),
-             numerics.mode_name("float32", lib, torch.float32, None, on_torch=2)}
-    assert len(names) == 8
+             numerics.mode_name("float32", lib, torch.float32, None, on_torch=2),
+             numerics.mode_name("float32", lib, torch.float32, None, attention="torch")}
+    assert len(names) == 9
     assert numerics.mode_name("float32", lib, torch.float32, None) == "float32/cpu-avx512/kv-float32/weights-auto"
     # fp32 does not depend on the bf16 path
     assert numerics.mode_name("float32", emu, torch.float32, None) == numerics.mode_name("float32", lib, torch.float32,
@@ -220,6 +225,16 @@ def test_alone_in_a_batch_of_16_and_preempted_give_the_same_bits(mode, seeded):
     outs = llm.generate(others + [TARGET], params + [_params(seeded)])
     assert sched.num_preemptions > 0 and outs[-1].request_id + "#0" in victims, victims
     assert _result(outs[-1]) == ref
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_the_thread_count_does_not_change_a_bit(mode):
+    """The kernels split output rows (and attention heads) over threads, never a row's sum."""
+    llm = _llm(mode)
+    ref = _result(llm.generate(TARGET, _params(True))[0])
+    torch.set_num_threads(2)  # the autouse fixture sets 1 back
+    assert _result(llm.generate(TARGET, _params(True))[0]) == ref
 
 
 @needs_kernels

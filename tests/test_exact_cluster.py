@@ -169,11 +169,14 @@ def test_a_worker_of_another_mode_is_refused_and_status_says_why(cluster, mode):
 
 
 @pytest.mark.timeout(400)
-def test_streams_with_stop_strings_equal_their_results_under_load(cluster, prompts):
+def test_streams_with_stop_strings_equal_their_results_under_load(cluster, prompts, model_dir, mode):
     """Seeded and greedy requests with a stop string taken from the middle of their own text:
     the streamed deltas (ids and text) join to exactly the non-streamed result, and a second
-    stream of the same request equals both, all 48 requests of a round in flight at once."""
-    from zeroserve import AsyncClient
+    stream of the same request equals both, all 48 requests of a round in flight at once, and
+    the in-process engine's output. The ids end at the token that completed the stop string
+    however the scheduler batched tokens to the detokenizer (it once delivered the whole batch:
+    2-3 ids more in ~5% of these requests, the text alike)."""
+    from zeroserve import LLM, AsyncClient
 
     with cluster.client(timeout_s=30.0, request_timeout_s=120.0) as c:
         full = [c.generate(p, _params(i, max_tokens=24)).outputs[0].text for i, p in enumerate(prompts)]
@@ -187,15 +190,20 @@ def test_streams_with_stop_strings_equal_their_results_under_load(cluster, promp
                                         *(c.generate(p, sp) for p, sp in jobs),
                                         *(_stream(c, p, sp) for p, sp in jobs))
 
-    res = asyncio.run(main())
-    n = len(jobs)
-    first, results, second = res[:n], res[n:2 * n], res[2 * n:]
+    for _ in range(3):
+        res = asyncio.run(main())
+        n = len(jobs)
+        first, results, second = res[:n], res[n:2 * n], res[2 * n:]
+        for i, (a, r, b) in enumerate(zip(first, results, second)):
+            o = r.outputs[0]
+            assert a["tokens"] == list(o.token_ids) == b["tokens"], (i, a["tokens"], o.token_ids, b["tokens"])
+            assert a["text"] == o.text == b["text"], (i, a["text"], o.text, b["text"])
+            assert a["reasons"][-1] == o.finish_reason == b["reasons"][-1]
+    engine = LLM(str(model_dir), matmul_dtype=mode, num_kv_blocks=256)
     stopped = 0
-    for i, (a, r, b) in enumerate(zip(first, results, second)):
-        o = r.outputs[0]
-        assert a["tokens"] == list(o.token_ids) == b["tokens"], (i, a["tokens"], o.token_ids, b["tokens"])
-        assert a["text"] == o.text == b["text"], (i, a["text"], o.text, b["text"])
-        assert a["reasons"][-1] == o.finish_reason == b["reasons"][-1]
+    for (p, sp), r in zip(jobs, results):
+        o, want = r.outputs[0], engine.generate(p, sp)[0].outputs[0]
+        assert (list(o.token_ids), o.text) == (list(want.token_ids), want.text)
         stopped += o.finish_reason == "stop"
     assert stopped >= n // 2, "most requests should end at their stop string"
 

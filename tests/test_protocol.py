@@ -174,7 +174,9 @@ def sample_messages() -> dict[type, list]:
             )
         ],
         M.DetokTokens: [M.DetokTokens.build(7, ["a-0", "a-1", "b"], [[5], [], [6, 7]], [None, "length", None])],
-        M.DetokOutputs: [M.DetokOutputs(seq=7, req_ids=["a-0", "b"], text_deltas=["he", ""], stop_strs=[None, "\n\n"])],
+        M.DetokOutputs: [M.DetokOutputs(seq=7, req_ids=["a-0", "b"], text_deltas=["he", ""], stop_strs=[None, "\n\n"]),
+                         M.DetokOutputs(seq=8, req_ids=["a-0", "b"], text_deltas=["he", ""], stop_strs=[None, "\n\n"],
+                                        stop_tokens=[2, 1])],
         M.DetokFree: [M.DetokFree(req_ids=["a-0"])],
         M.Event: [M.Event(kind="group_joined", ts=1.5, data={"group": "g0", "ranks": [0, 1], "x": {"y": None}})],
     }
@@ -1025,6 +1027,8 @@ INVARIANTS = [
      "DetokTokens", "counts must be >= 0"),
     (U(M.DetokOutputs, seq=1, req_ids=["a"], text_deltas=[], stop_strs=[None]), "DetokOutputs", "text_deltas (0)"),
     (U(M.DetokOutputs, seq=1, req_ids=["a"], text_deltas=["x"], stop_strs=[]), "DetokOutputs", "stop_strs (0)"),
+    (U(M.DetokOutputs, seq=1, req_ids=["a"], text_deltas=["x"], stop_strs=["x"], stop_tokens=[1, 2]), "DetokOutputs",
+     "stop_tokens (2)"),
     (U(M.StatsReply, stats={"x": _nest(40)}), "StatsReply", "nested deeper than 32 levels"),
     (U(M.Event, kind="k", data={"x": _nest(40)}), "Event", "nested deeper than 32 levels"),
     (U(M.Submit, request_id="a", prompt="x", params=U(SamplingParams, n=0)), "Submit.params",

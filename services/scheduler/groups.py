@@ -183,7 +183,7 @@ class Groups:
         if h.block_size <= 0 or h.num_kv_blocks <= 0:
             self.refuse(ident, "a worker must report its KV capacity (num_kv_blocks, block_size)", ob)
             return []
-        reason = self._implausible(h) or self._other_mode(h)
+        reason = self._implausible(h)
         if reason:
             self.refuse(ident, reason, ob, h.worker_id)
             return []
@@ -202,6 +202,12 @@ class Groups:
                 orphans = self.gone(old, f"worker {h.worker_id} reconnected", ob)
         name = h.group or f"g-{h.worker_id}"
         g = self.groups.get(name)
+        # the mode after the checks that name a more specific mistake (a taken rank), but before
+        # a new group exists: a refused shard leaves nothing behind
+        other_mode = self._other_mode(h)
+        if other_mode and (g is None or g.state == GroupState.GONE):
+            self.refuse(ident, other_mode, ob, h.worker_id)
+            return orphans
         if g is None or g.state == GroupState.GONE:
             joining = sum(1 for x in self.groups.values() if x.state == GroupState.JOINING)
             if joining >= MAX_JOINING_GROUPS:
@@ -217,6 +223,8 @@ class Groups:
             self.refuse(ident, f"rank {h.tp_rank} of group {name!r} is already connected", ob)
         elif first is not None and first.hello.block_size != h.block_size:
             self.refuse(ident, f"block_size {h.block_size} differs from the group's {first.hello.block_size}", ob)
+        elif other_mode:
+            self.refuse(ident, other_mode, ob, h.worker_id)
         else:
             self._join(g, ident, h, now, ob)
         return orphans

@@ -69,10 +69,15 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
+def requested(dtype: str | torch.dtype) -> torch.dtype | None:
+    """The torch dtype a user's dtype names (None: auto)."""
+    name = dtype_name(dtype)
+    return None if name == "auto" else _DTYPE_NAMES[name]
+
+
 def wants_bf16(dtype: str | torch.dtype) -> bool:
     """Whether a user's dtype asks for bf16 (on a CPU: the bf16 matmul regime)."""
-    name = dtype_name(dtype)
-    return name != "auto" and _DTYPE_NAMES[name] is torch.bfloat16
+    return requested(dtype) is torch.bfloat16
 
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

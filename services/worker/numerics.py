@@ -38,7 +38,7 @@ from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.log import get_logger
 from zeroserve.kernels import cpu_native
 from zeroserve.kernels.quant import QuantizedWeight
-from zeroserve.services.worker.dtype import wants_bf16
+from zeroserve.services.worker.dtype import requested, wants_bf16
 from zeroserve.services.worker.model.layers import QuantizableWeight, VocabParallelEmbedding
 from zeroserve.services.worker.model.moe import Router
 
@@ -52,7 +52,13 @@ def matmul_choice(matmul_dtype: str | None, dtype: str | torch.dtype) -> tuple[s
     name = str(matmul_dtype or "auto").strip().lower()
     if name not in MATMUL_DTYPES:
         raise ModelLoadError(f"unsupported matmul_dtype {name!r}; use one of {MATMUL_DTYPES}")
+    asked = requested(dtype)
     if name != "auto":
+        if asked in (torch.float32, torch.bfloat16) and asked != {"float32": torch.float32,
+                                                                   "bfloat16": torch.bfloat16}[name]:
+            # --dtype float32 promises float32 in every matmul: a contradiction is refused, not resolved
+            raise ModelLoadError(f"--dtype {dtype} and --matmul-dtype {name} contradict each other; "
+                                 "give one of them (or --dtype auto)")
         return name, f"--matmul-dtype {name}"
     if wants_bf16(dtype):
         return "bfloat16", "--dtype bfloat16 (on a CPU: the bf16 matmul regime, fp32 elsewhere)"
@@ -79,7 +85,8 @@ def configure(runner) -> str:
     lib = cpu_native.quant_lib()
     hold_bf16 = matmul == "bfloat16" and wants_bf16(args.dtype)
     on_torch = apply(model, matmul == "bfloat16", hold_bf16=hold_bf16, kernels=lib is not None)
-    runner.numeric_mode = mode_name(matmul, lib, runner.kv_dtype, getattr(args, "quantization", None), on_torch)
+    runner.numeric_mode = mode_name(matmul, lib, runner.kv_dtype, getattr(args, "quantization", None), on_torch,
+                                    attention=runner.backend)
     if on_torch:
         log.warning("some linears run on torch's GEMM, whose rounding of a row can depend on the batch",
                     linears=on_torch, reason=cpu_native.quant_unavailable_reason() or "K not a multiple of 32")
@@ -112,9 +119,11 @@ def apply(model: torch.nn.Module, bf16: bool, hold_bf16: bool = False, kernels: 
     return on_torch
 
 
-def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None, on_torch: int = 0) -> str:
+def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None, on_torch: int = 0,
+              attention: str = "cpu") -> str:
     """What a CPU worker computes, as one comparable string: matmul dtype / kernel build (and bf16
-    path) / KV cache dtype / weight format, e.g. "float32/cpu-avx512/kv-float32/weights-auto"."""
+    path) / KV cache dtype / weight format, e.g. "float32/cpu-avx512/kv-float32/weights-auto";
+    then any part that leaves the kernels (linears on torch, another attention backend)."""
     if lib is None:
         build = "cpu-torch"
     else:
@@ -124,4 +133,6 @@ def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None,
     parts = [matmul, build, "kv-" + str(kv_dtype).removeprefix("torch."), f"weights-{quantization or 'auto'}"]
     if on_torch:
         parts.append(f"torch-linears-{on_torch}")
+    if attention != "cpu":  # --attention-backend torch: the padded SDPA twin, not per-row
+        parts.append(f"attention-{attention}")
     return "/".join(parts)

@@ -84,7 +84,8 @@ def _dealer(ctx, addr: str, keys, identity: bytes) -> Channel:
 def _hello(cluster, group: str) -> P.Hello:
     s = cluster.stats()
     return P.Hello(role="worker", worker_id=f"{group}-r0", group=group, model=s["models"][0], device="cpu",
-                   num_kv_blocks=64, block_size=16, max_model_len=256)
+                   num_kv_blocks=64, block_size=16, max_model_len=256,
+                   numeric_mode=s["numeric_modes"][s["models"][0]])  # as the real workers compute
 
 
 @pytest.mark.timeout(300)

@@ -77,7 +77,7 @@ class HostileWorker(threading.Thread):
     """Joins as group "evil" for the cluster's model, acks probes, heartbeats, and answers every
     step with sampled id 999999 for every request."""
 
-    def __init__(self, cluster: LocalCluster, model: str) -> None:
+    def __init__(self, cluster: LocalCluster, model: str, numeric_mode: str) -> None:
         super().__init__(daemon=True)
         self.ctx = zmq.Context()
         self.dealer = self.ctx.socket(zmq.DEALER)
@@ -85,6 +85,7 @@ class HostileWorker(threading.Thread):
         self.dealer.setsockopt(zmq.IDENTITY, b"evil-r0")
         self.dealer.connect(cluster.backend)
         self.model = model
+        self.numeric_mode = numeric_mode  # it claims to compute as the real workers do
         self.steps = 0
         self.shutdown = threading.Event()
         self.welcome: P.Welcome | None = None
@@ -95,7 +96,7 @@ class HostileWorker(threading.Thread):
 
     def run(self) -> None:
         self.send(P.Hello(role="worker", worker_id="evil-r0", group="evil", model=self.model, device="cpu",
-                          num_kv_blocks=256, block_size=16, max_model_len=2048))
+                          num_kv_blocks=256, block_size=16, max_model_len=2048, numeric_mode=self.numeric_mode))
         assert self.dealer.poll(10000)
         self.welcome = codec.decode(self.dealer.recv_multipart())
         if not self.welcome.accepted:
@@ -135,7 +136,7 @@ class HostileWorker(threading.Thread):
 @pytest.mark.timeout(240)
 def test_a_worker_answering_nonsense_is_evicted_and_its_requests_move(cluster, jobs):
     s = cluster.stats()
-    evil = HostileWorker(cluster, s["models"][0])
+    evil = HostileWorker(cluster, s["models"][0], s["numeric_modes"][s["models"][0]])
     evil.start()
     try:
         deadline = time.monotonic() + 30
