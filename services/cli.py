@@ -309,7 +309,8 @@ def _run(args) -> int:
         from zeroserve.services.scheduler.service import main as sched_main
         from zeroserve.services.tiny_model import default_model_dir
 
-        args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
+        if not (args.models_dir or args.models_config):  # a catalog alone serves only its models
+            args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
         return sched_main(args)
     if args.cmd == "worker":
         from zeroserve.services.worker.threads import configure

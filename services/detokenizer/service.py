@@ -19,6 +19,7 @@ import zmq
 
 from zeroserve.common import messages as P
 from zeroserve.common.codec import ProtocolError
+from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, BoundedCache, CatalogEntry, load_catalog
 from zeroserve.common.config import DetokenizerArgs, from_cli_args
 from zeroserve.common.curve import curve_client_keys
 from zeroserve.common.detokenize import IncrementalDetokenizer
@@ -37,7 +38,7 @@ log = get_logger("detokenizer")
 class DetokenizerService:
     def __init__(self, scheduler_addr: str, model_dirs: list[str], worker_id: str | None = None,
                  heartbeat_interval_s: float = 1.0, curve_keys: str | None = None,
-                 curve_client: str | None = None) -> None:
+                 curve_client: str | None = None, catalog: dict[str, CatalogEntry] | None = None) -> None:
         self.scheduler_addr = scheduler_addr
         self.curve = curve_client_keys(curve_keys, curve_client, role="detokenizer")  # None: a plain connection
         self.worker_id = worker_id or f"detok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
@@ -45,6 +46,12 @@ class DetokenizerService:
         for d in model_dirs:
             self.tokenizers[ModelConfig.from_dir(d).name] = load_tokenizer(d)  # no transformers import
         self.default = next(iter(self.tokenizers), None)
+        # catalog models (the scheduler's model pool): a tokenizer loads on the model's first
+        # request, on this loop (tens of ms), and the MAX_CATALOG_TOKENIZERS latest stay
+        self.catalog = {n: e.path for n, e in (catalog or {}).items() if e.config is not None}
+        self.catalog_tokenizers = BoundedCache(lambda name: load_tokenizer(self.catalog[name]), MAX_CATALOG_TOKENIZERS)
+        if self.default is None and self.catalog:
+            self.default = next(iter(self.catalog))
         self.hb_interval = heartbeat_interval_s
         self.states: dict[str, IncrementalDetokenizer] = {}
         self.skip: dict[str, int] = {}  # replayed requests: chars the client already has
@@ -54,6 +61,8 @@ class DetokenizerService:
     def _tokenizer(self, params: SamplingParams):
         name = params.model or self.default
         tok = self.tokenizers.get(name)
+        if tok is None and name in self.catalog:
+            tok = self.catalog_tokenizers.get(name)
         if tok is None:
             raise InvalidRequest(f"the detokenizer has no tokenizer for model {name!r}; start it with --model")
         return tok
@@ -187,9 +196,11 @@ class DetokenizerService:
 def main(args) -> int:
     setup_logging(service="detokenizer")
     dargs = from_cli_args(DetokenizerArgs, args)
-    svc = DetokenizerService(dargs.scheduler, dargs.models or [str(default_model_dir())], worker_id=dargs.worker_id,
+    catalog = load_catalog(dargs.models_dir, dargs.models_config)
+    dirs = dargs.models or ([] if catalog else [str(default_model_dir())])
+    svc = DetokenizerService(dargs.scheduler, dirs, worker_id=dargs.worker_id,
                              heartbeat_interval_s=dargs.heartbeat_interval_s, curve_keys=dargs.curve_keys,
-                             curve_client=dargs.curve_client)
+                             curve_client=dargs.curve_client, catalog=catalog)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop.set())
     signal.signal(signal.SIGINT, lambda *_: svc.stop.set())
     return svc.run()

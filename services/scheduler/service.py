@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from zeroserve.common import messages as P
+from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, BoundedCache, CatalogEntry, load_catalog, parse_keep_alive
 from zeroserve.common.chat import chat_prompt, load_chat_template
 from zeroserve.common.tool_parsers import PARSERS, parser_for_template
 from zeroserve.common.codec import ProtocolError, group_topic, v1_refusal
@@ -43,19 +44,25 @@ BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
 
 
-def load_models(dirs: list[str], generation_config: str = "auto") -> dict[str, ModelInfo]:
+def load_models(dirs: list[str], generation_config: str = "auto",
+                catalog: dict[str, CatalogEntry] | None = None) -> dict[str, ModelInfo]:
     """The served models' configs and sampling defaults (cheap; a directory we cannot serve fails
     here, at start). Their tokenizers load in the background (`SchedulerService`): transformers
-    takes seconds to import, and a restarted scheduler must answer pings and HELLOs at once."""
+    takes seconds to import, and a restarted scheduler must answer pings and HELLOs at once.
+    Catalog models whose config could be read come after them (the others stay in the catalog,
+    failed, with the reason)."""
     from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
 
+    named = [(mc.name, mc) for mc in map(ModelConfig.from_dir, dirs)]
+    named += [(e.name, e.config) for e in (catalog or {}).values() if e.config is not None]
     models = {}
-    for d in dirs:
-        mc = ModelConfig.from_dir(d)
+    for name, mc in named:
+        if name in models:  # a --model wins over a catalog entry of the same name
+            continue
         defaults = resolve_sampling_defaults(mc, generation_config)
         if defaults:  # vLLM says this too: a request's unset fields will not be SamplingParams' defaults
-            log.info("sampling defaults from the model's generation config", model=mc.name, **defaults)
-        models[mc.name] = ModelInfo(mc.name, mc, sampling_defaults=defaults)
+            log.info("sampling defaults from the model's generation config", model=name, **defaults)
+        models[name] = ModelInfo(name, mc, sampling_defaults=defaults)
     return models
 
 
@@ -67,7 +74,10 @@ class SchedulerService:
             raise InvalidRequest(f"--tool-call-parser {cfg.tool_call_parser!r}: use auto or one of {sorted(PARSERS)}")
         self.id = uuid.uuid4().hex[:12]
         self.ctx = ctx or zmq.Context.instance()
-        models = load_models(cfg.models, cfg.generation_config)
+        catalog = load_catalog(cfg.models_dir, cfg.models_config, parse_keep_alive(cfg.keep_alive, "--keep-alive"))
+        if catalog:
+            log.info("model catalog", models={n: e.error or e.path for n, e in catalog.items()})
+        models = load_models(cfg.models, cfg.generation_config, catalog)
         self.addrs = addrs = cfg.addresses()
         # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
         # domain is its name): client keys on "client", worker and detokenizer keys on "backend"
@@ -113,16 +123,19 @@ class SchedulerService:
         for s in (self.client_sock, self.backend):
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails instead of vanishing
         step_addr = f"tcp://{cfg.advertise_host or cfg.host}:{cfg.port + 2}"
-        self.cluster = Cluster(cfg, models, self.id, step_addr, addrs, now=time.monotonic())
+        self.cluster = Cluster(cfg, models, self.id, step_addr, addrs, now=time.monotonic(), catalog=catalog)
         # tokenization off the loop: results come back through a queue, a PAIR socket wakes us
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        # tokenizers load first in the pool (FIFO): a prompt's job waits for its model's
-        self.tokenizers = {name: self.pool.submit(self._load_tokenizer, name, info.cfg.model_dir)
-                           for name, info in models.items()}
+        # tokenizers load first in the pool (FIFO): a prompt's job waits for its model's. Those
+        # of --model models load now and stay; a catalog model's on its first request, and only
+        # the MAX_CATALOG_TOKENIZERS most recently used stay (a catalog may hold hundreds)
+        fixed = frozenset(n for n in models if n not in catalog)
+        self.tokenizers = BoundedCache(self._start_tokenizer, MAX_CATALOG_TOKENIZERS, keep=fixed)
         # structured outputs: each model's compiler prepares its tokenizer on its first constraint
-        self.grammars = {name: GrammarCompiler(fut.result, models[name].cfg.vocab_size,
-                                               models[name].cfg.eos_token_ids)
-                         for name, fut in self.tokenizers.items()}
+        self.grammars = BoundedCache(lambda name: GrammarCompiler(self.tokenizers.get(name).result,
+                                                                  models[name].cfg.vocab_size,
+                                                                  models[name].cfg.eos_token_ids),
+                                     MAX_CATALOG_TOKENIZERS, keep=fixed)
         self.posted: queue.SimpleQueue = queue.SimpleQueue()  # pool -> loop: calls to run on the loop
         wake_addr = f"inproc://sched-wake-{self.id}"
         self.wake_rx = self.ctx.socket(zmq.PAIR)
@@ -130,8 +143,8 @@ class SchedulerService:
         self.wake_tx = self.ctx.socket(zmq.PAIR)
         self.wake_tx.connect(wake_addr)
         self.wake_lock = threading.Lock()
-        for name, fut in self.tokenizers.items():
-            fut.add_done_callback(lambda f, name=name: self._tokenizer_loaded(name, f))
+        for name in fixed:
+            self.tokenizers.get(name)
         self.poller = zmq.Poller()
         for s in (self.client_sock, self.backend, self.wake_rx):
             self.poller.register(s, zmq.POLLIN)
@@ -258,6 +271,11 @@ class SchedulerService:
 
         self._post(record)
 
+    def _start_tokenizer(self, name: str):
+        fut = self.pool.submit(self._load_tokenizer, name, self.cluster.models[name].cfg.model_dir)
+        fut.add_done_callback(lambda f: self._tokenizer_loaded(name, f))
+        return fut
+
     @staticmethod
     def _load_tokenizer(name: str, model_dir: str):
         from zeroserve.common.tokenizer import load_tokenizer
@@ -273,7 +291,9 @@ class SchedulerService:
 
     def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None,
                   ids: list[int] | None = None, constraint=None, tools: list[dict] | None = None) -> None:
-        loading = self.tokenizers[model]
+        loading = self.tokenizers.get(model)
+
+        grammars = self.grammars.get(model) if constraint is not None else None
 
         def job():
             if ids is not None:
@@ -283,7 +303,7 @@ class SchedulerService:
             else:
                 out = loading.result().encode(text)
             # the grammar compiles here too, off the loop (xgrammar releases the GIL), cached
-            return out, (self.grammars[model].compile(constraint) if constraint is not None else None)
+            return out, (grammars.compile(constraint) if constraint is not None else None)
 
         self.pool.submit(job).add_done_callback(lambda f: self._tokenized(key, f))
 

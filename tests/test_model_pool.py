@@ -1,0 +1,235 @@
+"""The model pool with real processes: a scheduler with a catalog (--models-config over a models
+folder), two pool workers (--pool) that load and unload on the scheduler's request, a detokenizer
+that reads the same catalog.
+
+Catalog: tiny-a (pinned, never unloads), tiny-b and tiny-c (llama and qwen2, random weights,
+keep_alive 3 s) and broken (a valid config whose weights file is garbage). Three models on two
+members: tiny-a holds one member for good, tiny-b and tiny-c take turns on the other.
+
+1. /v1/models' view: every catalog model with its state; broken fails on its first request with
+   ModelLoadError naming the cause, marked failed; requests for the others meanwhile succeed;
+2. concurrent requests for all three finish, none fails, each greedy output equal to the
+   in-process engine serving that model alone (the same runner and kernels as a one-model
+   cluster);
+3. after its keep_alive an idle model unloads (its member goes back to idle); the pinned one is
+   never evicted or unloaded;
+4. a member killed while it loads: the load goes to the other member, the requests finish, the
+   pool lists only the live member.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.cluster import LocalCluster
+from tests.helpers import random_prompt
+
+KEEP_ALIVE_S = 3
+
+
+class PoolCluster(LocalCluster):
+    """A LocalCluster whose scheduler and detokenizer serve a catalog and whose workers are pool members."""
+
+    def __init__(self, catalog_args: list[str], workers: int = 2, **kw) -> None:
+        super().__init__("(catalog)", workers=workers, **kw)
+        self.catalog_args = catalog_args
+
+    def start_scheduler(self):
+        return self._start("scheduler", self._cmd(
+            "scheduler", "--port", str(self.port), *self.catalog_args, "--heartbeat-timeout", "3",
+            *self.scheduler_args), role="scheduler")
+
+    def start_detokenizer(self, name: str = "detokenizer"):
+        return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, *self.catalog_args),
+                           role="detokenizer")
+
+    def start_worker(self, group: str, rank: int = 0, tp=None, extra=None):
+        return self._start(group, self._cmd(
+            "worker", "--scheduler", self.backend, "--pool", "--worker-id", group,
+            "--num-kv-blocks", str(self.num_kv_blocks), "--threads", str(self.threads), *(extra or [])))
+
+    def pool(self) -> dict:
+        return self.stats()["pool"]
+
+    def wait_members(self, n: int, timeout: float = 120.0) -> dict:
+        return self.wait_for(lambda p: len(p["members"]) >= n, timeout, f"{n} pool members")
+
+    def wait_for(self, cond, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.pool()
+                if cond(last):
+                    return last
+            except Exception:  # noqa: BLE001 - the scheduler may still be starting
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"no {what} in {timeout}s; last pool {last}\n{self.logs()}")
+
+
+def make_catalog(root: Path) -> Path:
+    from zeroserve.services.tiny_model import make_tiny_model
+
+    models = root / "models"
+    models.mkdir(parents=True)
+    make_tiny_model(models / "tiny-a", arch="llama", seed=1)
+    make_tiny_model(models / "tiny-b", arch="llama", seed=2)
+    make_tiny_model(models / "tiny-c", arch="qwen2", seed=3)
+    broken = make_tiny_model(models / "broken", arch="llama", seed=4)
+    for f in broken.glob("*.safetensors"):  # the config reads; the weights do not
+        f.write_bytes(b"\x07" * 64)
+    cfg = root / "catalog.toml"
+    cfg.write_text(f'models_dir = "models"\nkeep_alive = "{KEEP_ALIVE_S}s"\n\n'
+                   '[models.tiny-a]\npath = "models/tiny-a"\npinned = true\n')
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory) -> Path:
+    return make_catalog(tmp_path_factory.mktemp("pool"))
+
+
+@pytest.fixture(scope="module")
+def cluster(catalog):
+    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128)
+    try:
+        c.start()
+        c.wait_ready(groups=0)
+        c.wait_members(2)
+        yield c
+    finally:
+        c.stop()
+
+
+def _params(model: str, n: int = 8):
+    from zeroserve import SamplingParams
+
+    return SamplingParams(model=model, max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(model: str) -> list[list[int]]:
+    return [random_prompt(5 + 7 * k, 256, seed=100 * k + len(model)) for k in range(3)]
+
+
+@pytest.fixture(scope="module")
+def references(catalog) -> dict[str, list[list[int]]]:
+    """Each model alone in the in-process engine: the greedy tokens a one-model cluster gives."""
+    from zeroserve import LLM
+
+    out = {}
+    for name in ("tiny-a", "tiny-b", "tiny-c"):
+        llm = LLM(str(catalog.parent / "models" / name), num_kv_blocks=128)
+        out[name] = [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(name), _params(name))]
+        del llm
+    return out
+
+
+def _card(client, name: str) -> dict:
+    return next(m for m in client.models() if m["id"] == name)
+
+
+def test_catalog_lists_every_model_and_a_corrupt_one_fails_only_its_own(cluster):
+    from zeroserve.common.errors import ModelLoadError
+
+    with cluster.client(timeout_s=60.0) as c:
+        cards = {m["id"]: m for m in c.models()}
+        assert set(cards) == {"tiny-a", "tiny-b", "tiny-c", "broken"}
+        assert cards["tiny-a"]["pinned"] and not cards["tiny-b"]["pinned"]
+        assert all(m["state"] in ("available", "loading", "loaded") for m in cards.values()), cards
+        cluster.wait_for(lambda p: p["models"]["tiny-a"]["state"] == "loaded", 90, "pinned tiny-a loaded")
+
+        with ThreadPoolExecutor(2) as ex:
+            bad = ex.submit(c.generate, [5, 6, 7], _params("broken"))
+            good = ex.submit(c.generate, [5, 6, 7], _params("tiny-b"))
+            with pytest.raises(ModelLoadError, match="broken") as e:
+                bad.result(timeout=120)
+            assert len(good.result(timeout=120).outputs[0].token_ids) == 8
+        assert "safetensors" in str(e.value).lower() or "header" in str(e.value).lower(), e.value
+        card = _card(c, "broken")
+        assert card["state"] == "failed" and card["reason"], card
+        with pytest.raises(ModelLoadError):  # marked failed: refused at once
+            c.generate([1, 2], _params("broken"))
+        assert _card(c, "tiny-a")["state"] == "loaded"
+
+
+def test_concurrent_requests_for_three_models_on_two_members(cluster, references):
+    jobs = [(name, p) for name in ("tiny-a", "tiny-b", "tiny-c") for p in _prompts(name)]
+    with cluster.client(timeout_s=120.0) as c:
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            futs = [ex.submit(c.generate, p, _params(name)) for name, p in jobs]
+            outs = [f.result(timeout=240) for f in futs]
+    got: dict[str, list] = {}
+    for (name, _), o in zip(jobs, outs):
+        got.setdefault(name, []).append(list(o.outputs[0].token_ids))
+    assert got == references
+    p = cluster.pool()
+    assert p["models"]["tiny-b"]["loads"] >= 1 and p["models"]["tiny-c"]["loads"] >= 1
+    assert p["models"]["tiny-a"]["loads"] == 1 and p["models"]["tiny-a"]["evictions"] == 0  # pinned
+
+
+def test_idle_model_unloads_after_keep_alive_and_pinned_stays(cluster):
+    # whichever of b / c served last is idle now: within keep_alive (+ checks) its member empties
+    p = cluster.wait_for(lambda p: all(p["models"][m]["state"] == "available" for m in ("tiny-b", "tiny-c")),
+                         KEEP_ALIVE_S + 30, "tiny-b and tiny-c unloaded after their keep_alive")
+    assert p["models"]["tiny-a"]["state"] == "loaded"
+    states = sorted((m["state"], m["model"]) for m in p["members"])
+    assert states == [("idle", ""), ("serving", "tiny-a")], p
+    time.sleep(KEEP_ALIVE_S + 1)  # pinned: no keep_alive applies
+    assert cluster.pool()["models"]["tiny-a"]["state"] == "loaded"
+
+
+def test_operator_load_and_unload(cluster):
+    with cluster.client(timeout_s=30.0) as c:
+        c.load_model("tiny-c")
+        cluster.wait_for(lambda p: p["models"]["tiny-c"]["state"] == "loaded", 90, "tiny-c loaded on request")
+        c.unload_model("tiny-c")
+        cluster.wait_for(lambda p: p["models"]["tiny-c"]["state"] == "available", 30, "tiny-c unloaded on request")
+        from zeroserve.common.errors import InvalidRequest
+
+        with pytest.raises(InvalidRequest, match="not in the catalog"):
+            c.load_model("nope")
+
+
+def test_member_killed_during_a_load(catalog, references):
+    """A member dies with a load in flight: the pool gives its load to another member, the
+    requests finish with the reference tokens, and the pool lists only the live members.
+
+    A tiny model loads in ~20 ms, too fast to kill reliably in the middle; so the member the pool
+    picks (the highest worker id among the idle ones) is stopped (SIGSTOP) before the requests
+    come: it is sent the Load, its heartbeats stop, and it is killed while the scheduler has it
+    LOADING. From the scheduler's side that is a worker killed during a load."""
+    import signal
+
+    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128)
+    try:
+        c.start()
+        c.wait_ready(groups=0)
+        c.wait_members(2)
+        c.wait_for(lambda p: p["models"]["tiny-a"]["state"] == "loaded", 90, "pinned tiny-a loaded")
+        c.start_worker("g9")  # the pool's pick for the next load: the highest id of the idle members
+        c.wait_members(3)
+        c.kill("g9", signal.SIGSTOP)
+        with c.client(timeout_s=120.0) as cl, ThreadPoolExecutor(3) as ex:
+            futs = [ex.submit(cl.generate, p, _params("tiny-b")) for p in _prompts("tiny-b")]
+            c.wait_for(lambda p: any(m["worker_id"] == "g9" and m["state"] == "loading" for m in p["members"]), 60,
+                       "a load sent to g9")
+            c.kill("g9")
+            outs = [f.result(timeout=180) for f in futs]
+        assert [list(o.outputs[0].token_ids) for o in outs] == references["tiny-b"]
+        p = c.pool()
+        members = {m["worker_id"]: (m["state"], m["model"]) for m in p["members"]}
+        assert members == {"g0": ("serving", "tiny-a"), "g1": ("serving", "tiny-b")} or \
+            members == {"g1": ("serving", "tiny-a"), "g0": ("serving", "tiny-b")}, p
+        assert p["models"]["tiny-b"]["state"] == "loaded"
+    finally:
+        c.stop()
