@@ -200,6 +200,29 @@ def test_operator_load_and_unload(cluster):
             c.load_model("nope")
 
 
+def test_gateway_lists_states_and_loads_behind_the_api_key(cluster):
+    import httpx
+
+    from tests.test_gateway import start_gateway, wait_http
+
+    url = start_gateway(cluster, "gateway-pool", "--api-key", "sekrit", "--no-ui")
+    wait_http(url, cluster, "gateway-pool")
+    auth = {"Authorization": "Bearer sekrit"}
+    assert httpx.post(url + "/v1/models/load", json={"model": "tiny-b"}, timeout=30).status_code == 401
+    data = httpx.get(url + "/v1/models", headers=auth, timeout=30).json()["data"]
+    by_id = {m["id"]: m for m in data}
+    assert by_id["broken"]["state"] == "failed" and by_id["broken"]["reason"]
+    assert by_id["tiny-a"]["state"] == "loaded" and by_id["tiny-a"]["pinned"] is True
+    r = httpx.post(url + "/v1/models/load", json={"model": "tiny-b"}, headers=auth, timeout=30)
+    assert r.status_code == 200 and {m["id"] for m in r.json()["data"]} == set(by_id)
+    cluster.wait_for(lambda p: p["models"]["tiny-b"]["state"] == "loaded", 90, "tiny-b loaded via the gateway")
+    r = httpx.post(url + "/v1/models/unload", json={"model": "tiny-b"}, headers=auth, timeout=30)
+    assert r.status_code == 200
+    cluster.wait_for(lambda p: p["models"]["tiny-b"]["state"] == "available", 30, "tiny-b unloaded via the gateway")
+    r = httpx.post(url + "/v1/models/load", json={"model": "nope"}, headers=auth, timeout=30)
+    assert r.status_code == 400 and "not in the catalog" in r.text
+
+
 def test_member_killed_during_a_load(catalog, references):
     """A member dies with a load in flight: the pool gives its load to another member, the
     requests finish with the reference tokens, and the pool lists only the live members.

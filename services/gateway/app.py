@@ -44,7 +44,7 @@ from zeroserve.services.gateway.errors import (
     api_error,
     validation_error,
 )
-from zeroserve.services.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from zeroserve.services.gateway.protocol import DetokenizeRequest, ModelControlRequest, TokenizeRequest
 
 log = get_logger("gateway")
 
@@ -296,12 +296,28 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         return PlainTextResponse(text + generate_latest(gw.registry).decode(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def list_models():
-        models = await gw.models(refresh=True)
+    def model_list(models: list[dict]) -> dict:
+        # OpenAI's fields, then the pool's: state (available | loading | loaded | unloading | failed),
+        # the failure's reason, pinned, and the requests waiting for a load
         return {"object": "list", "data": [
             {"id": m["id"], "object": "model", "created": _now(), "owned_by": "zeroserve", "root": m["id"],
-             "max_model_len": m.get("max_model_len"), "groups": m.get("groups")} for m in models]}
+             "max_model_len": m.get("max_model_len"), "groups": m.get("groups"), "state": m.get("state"),
+             "reason": m.get("reason") or None, "pinned": m.get("pinned"), "waiting": m.get("waiting")}
+            for m in models]}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return model_list(await gw.models(refresh=True))
+
+    @app.post("/v1/models/load")
+    async def load_model(req: ModelControlRequest):
+        """Load a catalog model on a pool member (in the background: poll /v1/models)."""
+        return model_list(await gw.client.load_model(req.model))
+
+    @app.post("/v1/models/unload")
+    async def unload_model(req: ModelControlRequest):
+        """Unload a catalog model (each copy as soon as it has no requests)."""
+        return model_list(await gw.client.unload_model(req.model))
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
@@ -338,5 +354,5 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
     return Outer(app, cfg, gw)
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/models/load", "/v1/models/unload", "/v1/completions", "/v1/chat/completions", "/tokenize",
                "/detokenize", "/", "/cluster", "/api/cluster"}

@@ -265,6 +265,14 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
 
 
+class ModelControlRequest(BaseModel):
+    """POST /v1/models/load and /v1/models/unload (llama.cpp's router mode and Ollama name it so)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
