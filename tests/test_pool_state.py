@@ -163,6 +163,14 @@ def test_lru_idle_model_is_evicted_never_a_pinned_one():
     assert sorted(net.holding().values()) == ["d", "pinned"]
     assert not any(model == "pinned" for _, model in net.unloads)
     assert net.c.pool.evictions["b"] == 1 and net.c.pool.evictions["c"] == 1
+    net.c.metrics.refresh(net.c, net.now)  # Prometheus: loads, load seconds, evictions, unloads by why
+    text = net.c.metrics.text()
+    for line in ('zeroserve:model_loads_total{model_name="b"} 1.0', 'zeroserve:model_load_seconds_total{model_name="b"} 0.5',
+                 'zeroserve:model_evictions_total{model_name="c"} 1.0',
+                 'zeroserve:model_unloads_total{model_name="b",reason="evicted"} 1.0',
+                 'zeroserve:pool_members{state="serving"} 2.0'):
+        assert line in text, line
+    assert "pinned" not in "".join(x for x in text.splitlines() if x.startswith("zeroserve:model_evictions"))
 
 
 def test_a_model_with_running_requests_is_not_evicted():
@@ -225,6 +233,8 @@ def test_a_failed_load_fails_only_its_model_and_marks_it_failed():
         net.c.on_submit(b"client-1", P.Submit(request_id="x3", prompt_token_ids=np.asarray([5, 6], np.int32),
                                               params=SamplingParams(model="bad")), net.now)
     assert set(net.c.pool.members) == {"m0", "m1"}  # both members still in the pool
+    net.c.metrics.refresh(net.c, net.now)
+    assert 'zeroserve:model_load_failures_total{model_name="bad"} 1.0' in net.c.metrics.text()
     net.broken.clear()  # fixed: POST /v1/models/load clears the failure and loads it
     net.send(net.c.on_models_control(b"client-1", P.ModelsControl(action="load", model="bad"), net.now))
     net.run(lambda: "bad" in net.holding().values())

@@ -82,10 +82,12 @@ class Pool:
         self.members: dict[str, Member] = {}
         self.failed: dict[str, str] = {e.name: e.error for e in catalog.values() if e.error}
         self.wanted: set[str] = set()  # asked for by POST /v1/models/load
-        self.loads = Counter()  # model -> loads finished (metrics)
-        self.load_seconds = Counter()
-        self.evictions = Counter()
+        # per model, for stats and Prometheus (metrics.py exports them on refresh)
+        self.loads = Counter()  # loads finished
+        self.load_seconds = Counter()  # their seconds, summed
         self.load_failures = Counter()
+        self.evictions = Counter()  # unloaded to make room for another model
+        self.unloads = Counter()  # (model, why): evicted | keep_alive | asked | timeout
 
     # ================================================================ lookups
     def holders(self, model: str, *states: MemberState) -> list[Member]:
@@ -233,7 +235,7 @@ class Pool:
             elif m.state == MemberState.LOADING and now - m.since > self.cfg.model_load_timeout_s:
                 reason = f"loading took more than {self.cfg.model_load_timeout_s:.0f}s (model_load_timeout_s)"
                 log.error("model load timed out; the member unloads", model=m.model, worker=m.worker_id)
-                self._unload(m, reason, now, ob)
+                self._unload(m, "timeout", reason, now, ob)
         for m in self.members.values():
             e = self.catalog.get(m.model)
             if (m.state == MemberState.SERVING and e is not None and not e.pinned
@@ -247,9 +249,11 @@ class Pool:
             g = self.group(m)
             if m.unload_when_idle and m.state == MemberState.SERVING and g is not None and self._idle(g):
                 e = self.catalog.get(m.model)
-                why = "asked to" if e is None or now - m.last_busy <= e.keep_alive_s else \
-                    f"idle for {now - m.last_busy:.0f}s (keep_alive {e.keep_alive_s:g}s)"
-                out += self._unload(m, why, now, ob)
+                if e is None or now - m.last_busy <= e.keep_alive_s:
+                    out += self._unload(m, "asked", "asked to", now, ob)
+                else:
+                    out += self._unload(m, "keep_alive", f"idle for {now - m.last_busy:.0f}s (keep_alive "
+                                                         f"{e.keep_alive_s:g}s)", now, ob)
         return out
 
     @staticmethod
@@ -272,7 +276,7 @@ class Pool:
             victim = self._victim(set(waiting))
             if victim is not None:
                 self.evictions[victim.model] += 1
-                out += self._unload(victim, f"evicted for {model!r} (least recently used)", now, ob)
+                out += self._unload(victim, "evicted", f"evicted for {model!r} (least recently used)", now, ob)
         # 2: a queue behind a loaded model's groups; 3: pinned and asked-for models
         for name, e in self.catalog.items():
             if name in self.failed or e.config is None:
@@ -313,7 +317,8 @@ class Pool:
         log.info("loading model on a pool member", model=model, worker=m.worker_id)
         ob.to_backend(m.identity, P.Load(load_id=m.load_id, model=model, path=self.catalog[model].path))
 
-    def _unload(self, m: Member, reason: str, now: float, ob: Outbox) -> list[Request]:
+    def _unload(self, m: Member, why: str, reason: str, now: float, ob: Outbox) -> list[Request]:
+        self.unloads[(m.model, why)] += 1
         log.info("unloading model", model=m.model, worker=m.worker_id, reason=reason)
         m.state, m.since, m.unload_when_idle = MemberState.UNLOADING, now, False
         m.load_id = uuid.uuid4().hex[:12]
