@@ -328,7 +328,7 @@ class CatalogArgs:
     models_dir: str | None = knob(None, "a folder whose .gguf files and HF model folders are all served, loaded on "
                                         "demand by pool workers (worker --pool)", metavar="DIR")
     models_config: str | None = knob(None, "a TOML file: models by name (path, pinned, keep_alive, max_groups) "
-                                           "and defaults (docs/configuration.md)", metavar="FILE")
+                                           "and defaults (docs/deployment.md, Model pool)", metavar="FILE")
     keep_alive: str = knob("5m", "how long a catalog model stays loaded after its last request (30s, 5m, 1h; "
                                  "0 = unload when idle; negative = never)")
 
@@ -559,7 +559,8 @@ class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, CatalogArgs, Gene
     stats_interval_s: float = 1.0
     seed: int = 0
     model_load_timeout_s: float = knob(600.0, "seconds a pool member may take to load a model before the load is "
-                                              "given up (its requests wait for another member)")
+                                              "given up (its requests wait for another member)",
+                                       flag="--model-load-timeout")
     max_waiting_per_model: int = knob(256, "requests one catalog model may hold waiting for a load before new "
                                            "ones get Overloaded")
 

@@ -88,7 +88,7 @@ class PoolWorker(WorkerService):
 
     def _sessions(self) -> int:
         while True:
-            welcome = self.peer.join(self._hello, self.drain_requested)
+            welcome = self.peer.join(self._hello, self.drain_requested, on_message=self._while_joining)
             if welcome is None:
                 return EXIT_OK
             if self.runner is None:
@@ -176,6 +176,13 @@ class PoolWorker(WorkerService):
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         trim()
+
+    def _while_joining(self, msg) -> None:
+        """An Unload that answers our HELLO for a model (the scheduler gave the load up, e.g. it
+        took longer than --model-load-timeout): free it; the next HELLO says we are empty."""
+        if isinstance(msg, P.Unload) and self.runner is not None:
+            self.load_id = msg.load_id
+            self._unload()
 
     # ------------------------------------------------------------------ hooks of the serving loop
     def _on_dealer(self, msg) -> bool:
