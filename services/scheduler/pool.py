@@ -70,6 +70,7 @@ class Member:
     last_busy: float = 0.0  # the last time its group had requests (keep_alive and LRU count from it)
     unload_when_idle: bool = False  # POST /v1/models/unload while it ran requests
     progress: str = ""
+    rss_bytes: int = 0  # as its last HELLO or LoadStatus said (an empty member's: its baseline)
 
 
 class Pool:
@@ -133,7 +134,8 @@ class Pool:
             if m is None or m.state != MemberState.IDLE:
                 log.info("pool member idle", worker=h.worker_id, budget=h.memory_budget_bytes,
                          rss=h.memory.rss_bytes, was=m.state.value if m else None, model=m.model if m else None)
-            self.members[h.worker_id] = Member(h.worker_id, ident, h.memory_budget_bytes, now, since=now)
+            self.members[h.worker_id] = Member(h.worker_id, ident, h.memory_budget_bytes, now, since=now,
+                                               rss_bytes=h.memory.rss_bytes)
             ob.to_backend(ident, P.Welcome(status="accepted", scheduler_id=self.scheduler_id))
             return True, orphans
         if m is not None and m.state == MemberState.UNLOADING:  # a late HELLO: it still has to unload
@@ -168,7 +170,7 @@ class Pool:
         m = self.members.get(s.worker_id)
         if m is None or ident != m.identity:
             raise InvalidRequest(f"LoadStatus from {s.worker_id!r}, which is not a pool member on this connection")
-        m.last_seen = now
+        m.last_seen, m.rss_bytes = now, s.memory.rss_bytes or m.rss_bytes
         if s.load_id != m.load_id:
             return None  # about a load we already gave up
         m.progress = s.phase
@@ -334,7 +336,7 @@ class Pool:
     def stats(self, now: float, waiting: Counter) -> dict:
         return {
             "members": [{"worker_id": m.worker_id, "state": m.state.value, "model": m.model,
-                         "for_s": round(now - m.since, 3), "budget_bytes": m.budget,
+                         "for_s": round(now - m.since, 3), "budget_bytes": m.budget, "rss_bytes": m.rss_bytes,
                          "idle_s": round(now - m.last_busy, 3) if m.state == MemberState.SERVING else None}
                         for m in self.members.values()],
             "models": {name: {"state": self.state(name)[0], "waiting": waiting.get(name, 0),
