@@ -77,3 +77,14 @@ def test_bounded_cache_keeps_the_latest_and_the_kept_ones():
         assert cache.get(k) == k.upper()
     assert made == ["fixed", "a", "b", "c"]  # "a" stayed: used again before "c" came
     assert "fixed" in cache and "a" in cache and "c" in cache and "b" not in cache and len(cache) == 3
+
+
+def test_the_gateway_takes_ollamas_keep_alive_into_the_sampling_params():
+    from zeroserve.services.gateway.protocol import CompletionRequest
+
+    def keep_alive(v):
+        return CompletionRequest(model="m", prompt="hi", keep_alive=v)._params(4, None).keep_alive
+
+    assert (keep_alive("5m"), keep_alive(0), keep_alive(-1), keep_alive(None)) == (300.0, 0.0, -1.0, None)
+    with pytest.raises(InvalidRequest, match="duration"):
+        keep_alive("later")

@@ -250,3 +250,28 @@ def test_a_member_silent_during_its_load_is_dropped_and_the_load_moves():
     net.run(lambda: net.finished("r"))
     assert net.got_all("r")[0] == reference(p, 4)
     assert set(net.c.pool.members) == {"m0"} and net.holding() == {"m0": "a"}
+
+
+def test_a_requests_keep_alive_holds_for_its_model_as_in_ollama():
+    """keep_alive 0.5 s on a request: its model unloads 0.5 s after it is idle, not after the
+    catalog's 100 s; a later request's -1 keeps it loaded for good."""
+    net = _net({"b": {"keep_alive_s": 100.0}}, members=1)
+    p = net.ask("r1", "b")
+    net.c.pool.requested("b", None)  # a request without keep_alive changes nothing
+    assert net.c.pool.keep_alive_s("b") == 100.0
+    net.send(net.c.on_submit(b"client-1", P.Submit(request_id="r2", prompt_token_ids=np.asarray(p, np.int32),
+                                                   params=SamplingParams(model="b", max_tokens=2, keep_alive=0.5)),
+                             net.now))
+    net.run(lambda: net.finished("r1") and net.finished("r2"))
+    assert net.c.pool.keep_alive_s("b") == 0.5
+    net.now += 0.6
+    net.run(lambda: bool(net.unloads) and not net.holding())
+    assert net.unloads == [("m0", "b")] and net.c.pool.unloads[("b", "keep_alive")] == 1
+    net.send(net.c.on_submit(b"client-1", P.Submit(request_id="r3", prompt_token_ids=np.asarray(p, np.int32),
+                                                   params=SamplingParams(model="b", max_tokens=2, keep_alive=-1)),
+                             net.now))
+    net.run(lambda: net.finished("r3"))
+    net.now += 1000
+    for _ in range(30):
+        net.turn()
+    assert net.holding() == {"m0": "b"} and net.c.stats(net.now)["pool"]["models"]["b"]["keep_alive_s"] is None

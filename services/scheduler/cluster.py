@@ -134,6 +134,7 @@ class Cluster:
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
         params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)
+        self.pool.requested(model, params.keep_alive)
         key = str(next(self.keys))
         self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
                               deadline=now + m.timeout_s if m.timeout_s else None)

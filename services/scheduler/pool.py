@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from zeroserve.common import messages as P
-from zeroserve.common.catalog import CatalogEntry
+from zeroserve.common.catalog import FOREVER, CatalogEntry
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import get_logger
 from zeroserve.services.scheduler.groups import GroupState
@@ -83,6 +83,7 @@ class Pool:
         self.members: dict[str, Member] = {}
         self.failed: dict[str, str] = {e.name: e.error for e in catalog.values() if e.error}
         self.wanted: set[str] = set()  # asked for by POST /v1/models/load
+        self.keep_alive: dict[str, float] = {}  # a request's keep_alive, for its model (Ollama's meaning)
         # per model, for stats and Prometheus (metrics.py exports them on refresh)
         self.loads = Counter()  # loads finished
         self.load_seconds = Counter()  # their seconds, summed
@@ -109,6 +110,16 @@ class Pool:
         if self.holders(model, MemberState.UNLOADING):
             return "unloading", ""
         return "available", ""
+
+    def keep_alive_s(self, model: str) -> float:
+        """How long the model stays loaded once idle: the latest request's keep_alive, else its own."""
+        e = self.catalog.get(model)
+        return self.keep_alive.get(model, e.keep_alive_s if e is not None else FOREVER)
+
+    def requested(self, model: str, keep_alive: float | None) -> None:
+        """A request for `model` came in; its keep_alive (None: none given) holds from now on."""
+        if keep_alive is not None and model in self.catalog:
+            self.keep_alive[model] = FOREVER if keep_alive < 0 else keep_alive
 
     def refusal(self, model: str) -> str | None:
         """Why a request for a catalog model fails at once (None: it may wait for a load)."""
@@ -241,7 +252,7 @@ class Pool:
         for m in self.members.values():
             e = self.catalog.get(m.model)
             if (m.state == MemberState.SERVING and e is not None and not e.pinned
-                    and now - m.last_busy > e.keep_alive_s):
+                    and now - m.last_busy > self.keep_alive_s(m.model)):
                 m.unload_when_idle = True
         return self._unload_idle(now, ob)
 
@@ -250,12 +261,12 @@ class Pool:
         for m in list(self.members.values()):
             g = self.group(m)
             if m.unload_when_idle and m.state == MemberState.SERVING and g is not None and self._idle(g):
-                e = self.catalog.get(m.model)
-                if e is None or now - m.last_busy <= e.keep_alive_s:
+                ka = self.keep_alive_s(m.model)
+                if now - m.last_busy <= ka:
                     out += self._unload(m, "asked", "asked to", now, ob)
                 else:
-                    out += self._unload(m, "keep_alive", f"idle for {now - m.last_busy:.0f}s (keep_alive "
-                                                         f"{e.keep_alive_s:g}s)", now, ob)
+                    out += self._unload(m, "keep_alive", f"idle for {now - m.last_busy:.0f}s (keep_alive {ka:g}s)",
+                                        now, ob)
         return out
 
     @staticmethod
@@ -341,7 +352,9 @@ class Pool:
                         for m in self.members.values()],
             "models": {name: {"state": self.state(name)[0], "waiting": waiting.get(name, 0),
                               "loads": self.loads[name], "load_seconds": round(self.load_seconds[name], 3),
-                              "evictions": self.evictions[name]} for name in self.catalog},
+                              "evictions": self.evictions[name],
+                              "keep_alive_s": None if self.keep_alive_s(name) == FOREVER else self.keep_alive_s(name)}
+                       for name in self.catalog},
         }
 
 
