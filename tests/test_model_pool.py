@@ -22,6 +22,8 @@ timing probe: the same numerics every load).
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -200,6 +202,41 @@ def test_gateway_lists_states_and_loads_behind_the_api_key(cluster):
     cluster.wait_for(lambda p: p["models"]["tiny-b"]["state"] == "available", 30, "tiny-b unloaded via the gateway")
     r = httpx.post(url + "/v1/models/load", json={"model": "nope"}, headers=auth, timeout=30)
     assert r.status_code == 400 and "not in the catalog" in r.text
+
+
+def test_console_picker_shows_states_and_choosing_a_model_loads_it(cluster):
+    """The chat page's model picker lists every catalog model with its state; choosing one that
+    no worker holds loads it (POST /v1/models/load); the cluster page shows the pool's members."""
+    import shutil
+
+    from tests.test_gateway import start_gateway, wait_http
+
+    chromium = os.environ.get("ZEROSERVE_CHROMIUM", "/usr/bin/chromium")
+    pw = pytest.importorskip("playwright.sync_api")
+    if not shutil.which(chromium):
+        pytest.skip(f"no Chromium at {chromium}")
+    url = start_gateway(cluster, "gateway-console")
+    wait_http(url, cluster, "gateway-console")
+    cluster.wait_for(lambda p: p["models"]["tiny-c"]["state"] == "available", 60, "tiny-c not loaded")
+    with pw.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/")
+            opt = page.locator("#model option[value='tiny-c']")
+            pw.expect(opt).to_have_text(re.compile(r"tiny-c\s+\(available\)"), timeout=15_000)
+            pw.expect(page.locator("#model option[value='broken']")).to_have_text(re.compile(r"failed: "))
+            page.select_option("#model", "tiny-c")  # the page asks for the load and shows it at once
+            pw.expect(opt).to_have_text(re.compile(r"tiny-c\s+\((loading|1 groups)\)"), timeout=15_000)
+            cluster.wait_for(lambda p: p["models"]["tiny-c"]["loads"] >= 1, 60, "tiny-c loaded from the page")
+            page.goto(url + "/cluster")  # the pinned model keeps its member: a stable line to read
+            pw.expect(page.locator("tr[data-row='pool'] td")).to_contain_text("serving tiny-a", timeout=15_000)
+            pw.expect(page.locator("tr[data-row='models'] td")).to_contain_text("tiny-a (loaded)")
+            assert not errors, errors
+        finally:
+            browser.close()
 
 
 def test_member_killed_during_a_load(catalog, references):

@@ -281,9 +281,11 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         except ZeroserveError as e:
             return JSONResponse({"status": "unavailable", "detail": str(e)}, status_code=503)
         ready = sum(1 for g in s.get("groups", []) if g.get("state") == "ready")
-        body = {"status": "ok" if ready else "no worker group ready", "groups_ready": ready,
-                "detokenizer": bool(s.get("detokenizer", {}).get("connected"))}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        # a model pool serves with no model loaded: its members load one on the first request
+        members = len(s.get("pool", {}).get("members", []))
+        body = {"status": "ok" if ready or members else "no worker group ready", "groups_ready": ready,
+                "pool_members": members, "detokenizer": bool(s.get("detokenizer", {}).get("connected"))}
+        return JSONResponse(body, status_code=200 if ready or members else 503)
 
     @app.get("/metrics")
     async def metrics():
