@@ -329,6 +329,12 @@ class CatalogArgs:
                                         "demand by pool workers (worker --pool)", metavar="DIR")
     models_config: str | None = knob(None, "a TOML file: models by name (path, pinned, keep_alive, max_groups) "
                                            "and defaults (docs/deployment.md, Model pool)", metavar="FILE")
+
+
+@dataclass(kw_only=True)
+class PoolArgs(CatalogArgs):
+    """model pool"""
+
     keep_alive: str = knob("5m", "how long a catalog model stays loaded after its last request (30s, 5m, 1h; "
                                  "0 = unload when idle; negative = never)")
 
@@ -440,7 +446,7 @@ class MetricsArgs:
 
 
 @dataclass(kw_only=True)
-class GatewayArgs(CurveClientArgs):
+class GatewayArgs(CurveClientArgs, CatalogArgs):
     """HTTP gateway (OpenAI-compatible API)"""
 
     scheduler: str = knob(f"tcp://127.0.0.1:{DEFAULT_PORT}", "the scheduler's client address")
@@ -548,7 +554,7 @@ WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArg
 
 
 @dataclass(kw_only=True)
-class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, CatalogArgs, GenerationArgs, ChatArgs, SchedulerArgs,
+class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, PoolArgs, GenerationArgs, ChatArgs, SchedulerArgs,
                       LivenessArgs, MetricsArgs, CurveArgs):
     """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
 

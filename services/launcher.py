@@ -100,7 +100,7 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
                                   env=dict(worker_env)))
     if gateway:
         gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
-                         models=models, curve_keys=curve_keys, nice=args.gateway_nice,
+                         models=models, curve_keys=curve_keys, nice=args.gateway_nice, **catalog,
                          ui=not getattr(args, "no_ui", False))
         children.append(Child("gateway", base + ["gateway", *to_cli_args(gw, skip=("curve_client",))],
                               role="gateway"))

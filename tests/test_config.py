@@ -214,6 +214,11 @@ def test_up_with_a_catalog_starts_pool_workers(tmp_path):
         ns = build_parser().parse_args(c.argv[3:])
         w, e = from_cli_args(WorkerArgs, ns), from_cli_args(EngineArgs, ns)
         assert (w.pool, w.group, w.worker_id, e.model) == (True, None, f"g{i}-r0", None)
+    from zeroserve.common.config import GatewayArgs
+
+    gw = plan_children(up, "", gateway=True)[-1]
+    got = from_cli_args(GatewayArgs, build_parser().parse_args(gw.argv[3:]))
+    assert (got.models, got.models_dir) == ([], str(tmp_path.resolve()))  # its tokenizers: the catalog's
     for extra in (["--model", str(tmp_path)], ["--tp", "2"]):
         with pytest.raises(InvalidRequest, match="pool members"):
             up_main(build_parser().parse_args(["up", "--models-dir", str(tmp_path), *extra]))

@@ -186,7 +186,7 @@ def test_gateway_lists_states_and_loads_behind_the_api_key(cluster):
 
     from tests.test_gateway import start_gateway, wait_http
 
-    url = start_gateway(cluster, "gateway-pool", "--api-key", "sekrit", "--no-ui")
+    url = start_gateway(cluster, "gateway-pool", "--api-key", "sekrit", "--no-ui", *cluster.catalog_args)
     wait_http(url, cluster, "gateway-pool")
     auth = {"Authorization": "Bearer sekrit"}
     assert httpx.post(url + "/v1/models/load", json={"model": "tiny-b"}, timeout=30).status_code == 401
@@ -202,6 +202,12 @@ def test_gateway_lists_states_and_loads_behind_the_api_key(cluster):
     cluster.wait_for(lambda p: p["models"]["tiny-b"]["state"] == "available", 30, "tiny-b unloaded via the gateway")
     r = httpx.post(url + "/v1/models/load", json={"model": "nope"}, headers=auth, timeout=30)
     assert r.status_code == 400 and "not in the catalog" in r.text
+    # the gateway reads the same catalog: /tokenize (and logprob token strings) for a pool model
+    from zeroserve.common.tokenizer import load_tokenizer
+
+    r = httpx.post(url + "/tokenize", json={"model": "tiny-c", "prompt": "hello pool"}, headers=auth, timeout=30)
+    want = load_tokenizer(cluster.catalog_args[1].rsplit("/", 1)[0] + "/models/tiny-c").encode("hello pool")
+    assert r.status_code == 200 and r.json()["tokens"] == list(want), r.text
 
 
 def test_console_picker_shows_states_and_choosing_a_model_loads_it(cluster):

@@ -31,6 +31,7 @@ from prometheus_client import (
 
 disable_created_metrics()
 
+from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, load_catalog
 from zeroserve.common.config import GatewayArgs
 from zeroserve.common.errors import InvalidRequest, ZeroserveError
 from zeroserve.common.log import get_logger
@@ -125,6 +126,8 @@ class Gateway:
         self._models_fut: asyncio.Future | None = None
         self._tokenizers: dict[str, Any] = {}
         self._tok_dirs: dict[str, str] | None = None
+        self._catalog_names: set[str] = set()  # the model pool's models (their tokenizers are bounded)
+        self._catalog_loaded: list[str] = []  # those loaded, oldest first
         self._tok_lock = asyncio.Lock()
         self.registry = CollectorRegistry()
         self.http_requests = Counter("zeroserve:gateway_http_requests", "HTTP requests this gateway answered.",
@@ -209,7 +212,7 @@ class Gateway:
             if model in self._tokenizers:
                 return self._tokenizers[model]
             tok = None
-            if self.cfg.models:
+            if self.cfg.models or self.cfg.models_dir or self.cfg.models_config:
                 dirs = await asyncio.to_thread(self._model_dirs)
                 d = dirs.get(model) or (self.cfg.models[0] if len(self.cfg.models) == 1 else None)
                 if d is not None:
@@ -218,11 +221,16 @@ class Gateway:
                     tok = await asyncio.to_thread(load_tokenizer, d)
             if tok is None and required:
                 raise APIError(400, f"this gateway has no tokenizer for model {model!r}; start it with --model DIR "
-                                    "(the served model's directory or .gguf file)", "BadRequestError",
-                               "no_tokenizer")
+                                    "(the served model's directory or .gguf file) or the cluster's --models-dir / "
+                                    "--models-config", "BadRequestError", "no_tokenizer")
             if tok is not None:
                 self._tokenizers[model] = tok
-                freeze_startup_heap()  # a tokenizer is ~10^5 objects that live as long as we do
+                if model in self._catalog_names:  # a catalog's: only the latest few stay (it may hold hundreds)
+                    self._catalog_loaded.append(model)
+                    while len(self._catalog_loaded) > MAX_CATALOG_TOKENIZERS:
+                        self._tokenizers.pop(self._catalog_loaded.pop(0), None)
+                else:
+                    freeze_startup_heap()  # a tokenizer is ~10^5 objects that live as long as we do
             return tok
 
     def _model_dirs(self) -> dict[str, str]:
@@ -235,6 +243,10 @@ class Gateway:
                     out[ModelConfig.from_dir(d).name] = d
                 except Exception as e:  # noqa: BLE001 - a bad directory: say so, use the others
                     log.warning("cannot read model directory", model=d, error=str(e))
+            if self.cfg.models_dir or self.cfg.models_config:  # the model pool's, named as the scheduler names them
+                catalog = load_catalog(self.cfg.models_dir, self.cfg.models_config)
+                self._catalog_names = {n for n, e in catalog.items() if e.config is not None and n not in out}
+                out.update((n, catalog[n].path) for n in self._catalog_names)
             self._tok_dirs = out
         return self._tok_dirs
 
