@@ -57,6 +57,7 @@ class PoolNet(Net):
         self.members: dict[str, FakeWorker] = {}
         self.broken: set[str] = set()  # models whose load fails
         self.stopped: set[str] = set()  # members that stopped answering (killed)
+        self.slow: set[str] = set()  # members that heartbeat but leave their messages unread (a long load)
         self.loads: list[tuple[str, str]] = []  # (member, model) in order
         self.unloads: list[tuple[str, str]] = []
 
@@ -74,6 +75,9 @@ class PoolNet(Net):
     def turn(self, detok: bool = True) -> None:
         for wid, w in self.members.items():
             if wid in self.stopped:
+                continue
+            if wid in self.slow:
+                self.send(self.c.on_heartbeat(w.ident, P.Heartbeat(worker_id=wid), self.now))
                 continue
             inbox, self.backend[w.ident] = self.backend[w.ident], []
             for m in inbox:
@@ -275,3 +279,33 @@ def test_a_requests_keep_alive_holds_for_its_model_as_in_ollama():
     for _ in range(30):
         net.turn()
     assert net.holding() == {"m0": "b"} and net.c.stats(net.now)["pool"]["models"]["b"]["keep_alive_s"] is None
+
+
+def test_a_member_that_comes_back_holding_a_model_serves_it_without_a_load():
+    """After a scheduler restart a member says HELLO with the model it holds: the pool takes it
+    as SERVING and its group serves at once (no Load, no eviction)."""
+    net = _net({"a": {}, "b": {}}, members=0)
+    net.members["m0"] = FakeWorker("m0")
+    net._hello("m0", "a")
+    net.workers["g-m0"] = [net.members["m0"]]
+    assert net.holding() == {"m0": "a"}
+    _serve(net, "r", "a")
+    assert net.loads == [] and net.unloads == []
+
+
+def test_a_load_past_its_timeout_is_unloaded_and_tried_again():
+    net = _net({"a": {}}, members=1, model_load_timeout_s=5.0)
+    net.slow.add("m0")  # gets the Load, heartbeats, answers nothing
+    p = net.ask("r", "a")
+    for _ in range(3):
+        net.turn()
+    assert net.c.pool.members["m0"].state.value == "loading"
+    net.now += 6.0
+    net.turn()
+    assert net.c.pool.members["m0"].state.value == "unloading"
+    assert [type(m).__name__ for m in net.backend[b"m0"]] == ["Welcome", "Load", "Unload"]
+    net.backend[b"m0"] = [m for m in net.backend[b"m0"] if isinstance(m, P.Unload)]  # the load never finished
+    net.slow.clear()
+    net.run(lambda: net.finished("r"))
+    assert net.got_all("r")[0] == reference(p, 4) and net.c.pool.unloads[("a", "timeout")] == 1
+    assert [m for _, m in net.loads] == ["a"] and net.holding() == {"m0": "a"}  # planned again, loaded
