@@ -309,3 +309,21 @@ def test_a_load_past_its_timeout_is_unloaded_and_tried_again():
     net.run(lambda: net.finished("r"))
     assert net.got_all("r")[0] == reference(p, 4) and net.c.pool.unloads[("a", "timeout")] == 1
     assert [m for _, m in net.loads] == ["a"] and net.holding() == {"m0": "a"}  # planned again, loaded
+
+
+def test_a_pool_hello_naming_a_live_workers_id_from_another_connection_is_refused():
+    """An empty pool HELLO ends the group of a member that came back without its model; one from
+    another connection that names a live worker's id (any group's) is refused and ends nothing."""
+    net = _net({"a": {}}, members=1)
+    _serve(net, "r", "a")
+    g = net.c.groups.group_of("m0")
+    net.send(net.c.on_hello(b"rogue", P.Hello(role="worker", worker_id="m0", pool=True), net.now))
+    assert net.backend[b"rogue"][-1].status == "refused" and "another connection" in net.backend[b"rogue"][-1].detail
+    assert net.c.groups.group_of("m0") is g and g.state.value == "ready" and net.holding() == {"m0": "a"}
+    # a worker started with --model (not a pool member): its id is no pool member's to take either
+    net.send(net.c.on_hello(b"fixed", P.Hello(role="worker", worker_id="fixed", group="gf", model="a",
+                                              num_kv_blocks=64, block_size=16), net.now))
+    gf = net.c.groups.get("gf")
+    net.send(net.c.on_hello(b"rogue2", P.Hello(role="worker", worker_id="fixed", pool=True), net.now))
+    assert net.backend[b"rogue2"][-1].status == "refused" and "already connected" in net.backend[b"rogue2"][-1].detail
+    assert gf.state.value != "gone" and "fixed" not in net.c.pool.members

@@ -138,7 +138,11 @@ class Pool:
                                       "give each worker a unique --worker-id", ob)
             return True, []
         orphans: list[Request] = []
-        old = self.groups.group_of(h.worker_id)
+        old, shard = self.groups.group_of(h.worker_id), self.groups.shard(h.worker_id)
+        if old is not None and old.state != GroupState.GONE and shard is not None and shard.identity != ident:
+            self.groups.refuse(ident, f"worker id {h.worker_id!r} is already connected from another connection; "
+                                      "give each worker a unique --worker-id", ob)
+            return True, []
         if not h.model:
             if old is not None and old.state != GroupState.GONE:  # it lost its model (restarted)
                 orphans = self.groups.gone(old, f"pool member {h.worker_id} came back without its model", ob)
