@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from zeroserve.common.errors import InvalidRequest, ModelLoadError
-from zeroserve.common.model_config import ModelConfig
+from zeroserve.common.model_config import ModelConfig, resolve_model_path
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default, five minutes
 MAX_CATALOG_TOKENIZERS = 8  # catalog models whose tokenizer a process keeps (scheduler, detokenizer)
@@ -72,6 +72,18 @@ class CatalogEntry:
     max_groups: int = 1
     config: Any = None  # its ModelConfig; None when it could not be read
     error: str = ""  # why the config could not be read
+    weight_bytes: int = 0  # on disk: what a pool member's --memory-budget must hold, besides its KV cache
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
+
+
+def weight_bytes_on_disk(path: str | Path) -> int:
+    """The bytes of a model's weight files (a .gguf, or an HF folder's safetensors)."""
+    kind, p = resolve_model_path(path)
+    if kind == "gguf" or p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in Path(p).iterdir() if f.suffix in WEIGHT_SUFFIXES)
 
 
 def _looks_like_model(p: Path) -> bool:
@@ -85,9 +97,10 @@ def _looks_like_model(p: Path) -> bool:
 def _entry(path: Path, name: str | None = None, **opts: Any) -> CatalogEntry:
     try:
         cfg = ModelConfig.from_dir(str(path))
+        size = weight_bytes_on_disk(path)
     except (ModelLoadError, OSError, ValueError) as e:
         return CatalogEntry(name or path.stem, str(path), config=None, error=str(e), **opts)
-    return CatalogEntry(name or cfg.name, str(path), config=cfg, **opts)
+    return CatalogEntry(name or cfg.name, str(path), config=cfg, weight_bytes=size, **opts)
 
 
 def scan_dir(models_dir: str | Path, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S) -> list[CatalogEntry]:
@@ -164,4 +177,4 @@ class BoundedCache(Generic[K, V]):
 
 
 __all__ = ["BoundedCache", "CatalogEntry", "DEFAULT_KEEP_ALIVE_S", "FOREVER", "MAX_CATALOG_TOKENIZERS", "load_catalog", "parse_keep_alive",
-           "read_config", "scan_dir"]
+           "read_config", "scan_dir", "weight_bytes_on_disk"]

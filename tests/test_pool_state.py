@@ -327,3 +327,26 @@ def test_a_pool_hello_naming_a_live_workers_id_from_another_connection_is_refuse
     net.send(net.c.on_hello(b"rogue2", P.Hello(role="worker", worker_id="fixed", pool=True), net.now))
     assert net.backend[b"rogue2"][-1].status == "refused" and "already connected" in net.backend[b"rogue2"][-1].detail
     assert gf.state.value != "gone" and "fixed" not in net.c.pool.members
+
+
+def test_a_model_goes_to_a_member_whose_budget_holds_it_or_fails_naming_the_budget():
+    from zeroserve.common.errors import ModelLoadError
+
+    net = _net({"big": {"weight_bytes": 5000}, "small": {"weight_bytes": 100}}, members=0)
+    for wid, budget in (("m-small", 1000), ("m-zzz", 1000)):
+        net.members[wid] = FakeWorker(wid)
+        net.send(net.c.on_hello(wid.encode(), P.Hello(role="worker", worker_id=wid, pool=True,
+                                                      memory_budget_bytes=budget), net.now))
+    p = net.ask("s", "small")
+    net.ask("b", "big", seed=2)
+    net.run(lambda: net.finished("s") and net.finished("b"))
+    assert net.got_all("s")[0] == reference(p, 4)
+    (err,) = net.got_all("b")[3]
+    assert err.code == "model_load" and "no pool member's --memory-budget" in err.message and "1000" in err.message
+    with pytest.raises(ModelLoadError, match="memory-budget"):
+        net.c.on_submit(b"client-1", P.Submit(request_id="b2", prompt_token_ids=np.asarray([5, 6], np.int32),
+                                              params=SamplingParams(model="big")), net.now)
+    net.add_member("m-large")  # no budget: holds anything; POST /v1/models/load tries again
+    net.send(net.c.on_models_control(b"client-1", P.ModelsControl(action="load", model="big"), net.now))
+    net.run(lambda: "big" in net.holding().values())
+    assert net.holding()["m-large"] == "big"

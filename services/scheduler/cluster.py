@@ -323,12 +323,14 @@ class Cluster:
 
     def on_load_status(self, ident: bytes, m: P.LoadStatus, now: float) -> Outbox:
         ob = Outbox()
-        failed = self.pool.on_load_status(ident, m, now)
-        if failed is not None:  # its waiting requests end; every other model's go on
-            model, reason = failed
-            for live in [x for x in self.pending if x.model == model]:
-                self._fail(live, ModelLoadError(f"model {model!r} failed to load: {reason}"), ob)
+        self.pool.on_load_status(ident, m, now)
+        self._fail_unloadable(ob)
         return ob
+
+    def _fail_unloadable(self, ob: Outbox) -> None:
+        """Waiting requests for a model the pool marked failed end; every other model's go on."""
+        for live in [x for x in self.pending if self.pool.refusal(x.model)]:
+            self._fail(live, ModelLoadError(self.pool.refusal(live.model)), ob)
 
     def on_peer_error(self, ident: bytes, m: P.Error, now: float) -> Outbox:
         if _PEER_ERROR_LOG.allow(now):
@@ -438,6 +440,7 @@ class Cluster:
         self._requeue(self.groups.check(now, ob), ob)
         self._requeue(self.pool.check(now, ob), ob)
         self._requeue(self.pool.plan(now, [live.model for live in self.pending], ob), ob)
+        self._fail_unloadable(ob)
         self.metrics.refresh(self, now)
         self.delivery.check(now, self.cfg.heartbeat_timeout_s)
         for ident, h in reversed(list(self.delivery.waiting.items())):  # the live one went silent: the newest takes over

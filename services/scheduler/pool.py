@@ -179,15 +179,15 @@ class Pool:
         del self.members[worker_id]
         return True
 
-    def on_load_status(self, ident: bytes, s: P.LoadStatus, now: float) -> tuple[str, str] | None:
-        """A member's load progress; returns (model, reason) when a load failed (the caller
-        fails that model's waiting requests)."""
+    def on_load_status(self, ident: bytes, s: P.LoadStatus, now: float) -> None:
+        """A member's load progress; a failed load marks its model failed (the caller then fails
+        that model's waiting requests: refusal())."""
         m = self.members.get(s.worker_id)
         if m is None or ident != m.identity:
             raise InvalidRequest(f"LoadStatus from {s.worker_id!r}, which is not a pool member on this connection")
         m.last_seen, m.rss_bytes = now, s.memory.rss_bytes or m.rss_bytes
         if s.load_id != m.load_id:
-            return None  # about a load we already gave up
+            return  # about a load we already gave up
         m.progress = s.phase
         if s.phase == "loaded":
             self.loads[m.model] += 1
@@ -200,11 +200,9 @@ class Pool:
             self._set_failed(model, s.error)
             self.load_failures[model] += 1
             m.state, m.model, m.since = MemberState.IDLE, "", now
-            return model, s.error
         elif s.phase == "unloaded":
             log.info("model unloaded", model=m.model, worker=m.worker_id, rss=s.memory.rss_bytes)
             m.state, m.model, m.since = MemberState.IDLE, "", now
-        return None
 
     def _set_failed(self, model: str, reason: str) -> None:
         self.failed[model] = reason
@@ -284,13 +282,18 @@ class Pool:
         for model in dict.fromkeys(x for x in waiting_models if x in waiting):  # oldest request first
             if self.holders(model, MemberState.LOADING, MemberState.SERVING):
                 continue
-            free = self._free()
+            if self.members and not any(self._fits(m, model) for m in self.members.values()):
+                need, most = self.catalog[model].weight_bytes, max(m.budget for m in self.members.values())
+                self._set_failed(model, f"its weights take {need} bytes; no pool member's --memory-budget holds them "
+                                        f"(the largest: {most} bytes); start a member with a larger budget")
+                continue
+            free = self._free(model)
             if free is not None:
                 self._load(free, model, now, ob)
                 continue
             if any(m.state == MemberState.UNLOADING for m in self.members.values()):
                 continue  # a member is being freed already: wait for it before evicting another
-            victim = self._victim(set(waiting))
+            victim = self._victim(set(waiting), model)
             if victim is not None:
                 self.evictions[victim.model] += 1
                 out += self._unload(victim, "evicted", f"evicted for {model!r} (least recently used)", now, ob)
@@ -301,25 +304,30 @@ class Pool:
             held = self.holders(name, MemberState.LOADING, MemberState.SERVING)
             queued = sum(len(g.policy.waiting) for g in self.groups.ready(name) if g.policy is not None)
             if (queued and len(held) < e.max_groups) or ((e.pinned or name in self.wanted) and not held):
-                free = self._free()
-                if free is None:
-                    break
-                self._load(free, name, now, ob)
+                free = self._free(name)
+                if free is not None:
+                    self._load(free, name, now, ob)
         return out
 
-    def _free(self) -> Member | None:
-        idle = [m for m in self.members.values() if m.state == MemberState.IDLE]
-        return max(idle, key=lambda m: (m.budget, m.worker_id)) if idle else None
+    def _fits(self, m: Member, model: str) -> bool:
+        """A member with a budget holds a model whose weights take less (its KV cache gets the rest)."""
+        return not m.budget or self.catalog[model].weight_bytes < m.budget
 
-    def _victim(self, waiting: set[str]) -> Member | None:
-        """The member to unload for a waiting model: idle, not pinned, not wanted itself; a
-        model's extra copies first, then the least recently used."""
+    def _free(self, model: str) -> Member | None:
+        """The idle member to load `model` on: one it fits in, the largest budget first (0: unbounded)."""
+        idle = [m for m in self.members.values() if m.state == MemberState.IDLE and self._fits(m, model)]
+        return max(idle, key=lambda m: (not m.budget, m.budget, m.worker_id)) if idle else None
+
+    def _victim(self, waiting: set[str], model: str) -> Member | None:
+        """The member to unload for a waiting `model`: one it fits in, idle, not pinned, not wanted
+        itself; a model's extra copies first, then the least recently used."""
         copies = Counter(m.model for m in self.members.values() if m.state == MemberState.SERVING)
         best, best_key = None, None
         for m in self.members.values():
             g = self.group(m)
             e = self.catalog.get(m.model)
-            if m.state != MemberState.SERVING or g is None or not self._idle(g) or m.model in waiting:
+            if (m.state != MemberState.SERVING or g is None or not self._idle(g) or m.model in waiting
+                    or not self._fits(m, model)):
                 continue
             if e is None or e.pinned:  # a model given with --model is not the pool's to evict
                 continue

@@ -21,34 +21,24 @@ import gc
 import os
 import socket
 import time
-from pathlib import Path
 
 import psutil
 import torch
 
 from zeroserve.common import messages as P
+from zeroserve.common.catalog import weight_bytes_on_disk
 from zeroserve.common.config import EngineArgs
 from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.log import get_logger
 from zeroserve.common.memory import freeze_startup_heap, trim
-from zeroserve.common.model_config import ModelConfig, resolve_model_path
+from zeroserve.common.model_config import ModelConfig
 from zeroserve.services.worker.model_runner import ModelRunner
 from zeroserve.services.worker.service import EXIT_OK, Rejoin, WorkerService
 
 log = get_logger("worker")
 
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
-
-
 class Unloaded(Exception):
     """The scheduler unloaded our model (Unload on our socket, or our group's Shutdown)."""
-
-
-def weight_bytes_on_disk(path: str) -> int:
-    kind, p = resolve_model_path(path)
-    if kind == "gguf" or p.is_file():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in Path(p).iterdir() if f.suffix in WEIGHT_SUFFIXES)
 
 
 class PoolWorker(WorkerService):
