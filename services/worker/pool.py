@@ -37,6 +37,7 @@ from zeroserve.services.worker.service import EXIT_OK, Rejoin, WorkerService
 
 log = get_logger("worker")
 
+
 class Unloaded(Exception):
     """The scheduler unloaded our model (Unload on our socket, or our group's Shutdown)."""
 
