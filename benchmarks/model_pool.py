@@ -12,8 +12,8 @@ Q4_1 (two names for one file: two models to the pool, the same bytes to load) an
    (Client.load_model / unload_model); the member's RSS when empty after the first cycle and after
    the last (the issue asks for within 10%), and loaded after the first.
 
-Workers run with `--matmul-dtype float32`: `auto` adds a start-up probe (timed whole steps, ~3 s on
-a quiet box, 90 s on the busy 2-core one) to every load, which is not the pool's cost.
+Workers run with `--matmul-dtype float32`: `auto` adds a probe (timed whole steps, ~3 s on a quiet
+box, 90 s on the busy 2-core one) to a model's first load on a worker, which is not the pool's cost.
 
     .venv/bin/python benchmarks/model_pool.py [--swaps 4] [--cycles 20] [--json]
 """

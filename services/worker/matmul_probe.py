@@ -19,6 +19,7 @@ request, so nothing cached is lost.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -118,6 +119,19 @@ def configure(runner) -> str:
     log.info("matmul dtype auto: bfloat16", min_rows=rows, panel_mib=round(nbytes / 2**20, 1),
              cpu=cpu_native.cpu_model(), **fields)
     return f"bfloat16 from {rows} rows"
+
+
+def reapply(runner, decided: str) -> str:
+    """Apply a decision `configure` made on an earlier load of the same model ("float32" or
+    "bfloat16 from N rows") to a runner built with float32, without probing again: a pool worker
+    that reloads a model keeps its numerics (a new probe could decide otherwise) and skips the
+    probe's seconds."""
+    m = re.fullmatch(r"bfloat16 from (\d+) rows", decided)
+    if m is None:
+        return "float32"
+    bf16.attach(runner.model, int(m[1]))
+    log.info("matmul dtype: bfloat16 (this model's earlier probe)", min_rows=int(m[1]))
+    return decided
 
 
 def _auto_ineligible(runner) -> str | None:
