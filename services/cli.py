@@ -156,6 +156,13 @@ def _status(args) -> int:
         for w in g.get("workers", []):
             print(f"  worker {w['worker_id']} rank {w['rank']} pid {w['pid']} host {w['host']} device {w['device']} "
                   f"steps {w.get('w_steps', 0)} step_ms {w.get('w_step_ms', 0)}")
+    pool = s.get("pool") or {}
+    for name, p in (pool.get("models") or {}).items():
+        print(f"pool model {name} [{p['state']}]  waiting {p['waiting']}  loads {p['loads']} "
+              f"({p['load_seconds']:.1f}s)  evictions {p['evictions']}")
+    for m in pool.get("members") or []:
+        print(f"pool member {m['worker_id']} [{m['state']}] {m['model'] or '-'}  for {m['for_s']:.0f}s  "
+              f"rss {m['rss_bytes'] / 2**20:.0f} MiB")
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -155,6 +156,10 @@ def test_concurrent_requests_for_every_model_on_two_members(cluster, references)
     assert got == references
     p = cluster.pool()
     assert all(p["models"][m]["loads"] >= 1 for m in SERVED[1:]), p["models"]
+    out = subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "status", "--address", cluster.address],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "pool model tiny-a [loaded]" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.count("pool member ") == 2, out.stdout
     assert p["models"]["tiny-a"]["loads"] == 1 and p["models"]["tiny-a"]["evictions"] == 0  # pinned
 
 
