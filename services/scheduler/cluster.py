@@ -15,9 +15,9 @@ n-way fan-out) -> routed to a READY group of its model, or pending until one is 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple

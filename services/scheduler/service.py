@@ -143,8 +143,9 @@ class SchedulerService:
         self.wake_tx = self.ctx.socket(zmq.PAIR)
         self.wake_tx.connect(wake_addr)
         self.wake_lock = threading.Lock()
-        for name in fixed:
-            self.tokenizers.get(name)
+        for name in models:  # in --model order: the first model's tokenizer is the first ready
+            if name in fixed:
+                self.tokenizers.get(name)
         self.poller = zmq.Poller()
         for s in (self.client_sock, self.backend, self.wake_rx):
             self.poller.register(s, zmq.POLLIN)
@@ -292,7 +293,6 @@ class SchedulerService:
     def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None,
                   ids: list[int] | None = None, constraint=None, tools: list[dict] | None = None) -> None:
         loading = self.tokenizers.get(model)
-
         grammars = self.grammars.get(model) if constraint is not None else None
 
         def job():
