@@ -350,3 +350,16 @@ def test_a_model_goes_to_a_member_whose_budget_holds_it_or_fails_naming_the_budg
     net.send(net.c.on_models_control(b"client-1", P.ModelsControl(action="load", model="big"), net.now))
     net.run(lambda: "big" in net.holding().values())
     assert net.holding()["m-large"] == "big"
+
+
+def test_a_member_that_says_goodbye_leaves_the_pool_and_its_model_moves_at_once():
+    net = _net({"a": {}}, members=2)
+    _serve(net, "r1", "a")
+    (holder,) = net.holding()
+    net.send(net.c.on_goodbye(holder.encode(), P.Goodbye(worker_id=holder, reason="drained"), net.now))
+    net.workers.pop(f"g-{holder}")
+    del net.members[holder]
+    assert holder not in net.c.pool.members and net.c.groups.group_of(holder) is None
+    p = net.ask("r2", "a", seed=2)
+    net.run(lambda: net.finished("r2"), turns=60)  # well within the heartbeat timeout
+    assert net.got_all("r2")[0] == reference(p, 4) and list(net.holding()) == [w for w in ("m0", "m1") if w != holder]

@@ -172,12 +172,14 @@ class Pool:
         return m.state != MemberState.SERVING or self.group(m) is None
 
     def on_goodbye(self, ident: bytes, worker_id: str) -> bool:
+        """A member leaves (SIGTERM): it is no pool member from now on, so its model is planned
+        elsewhere at once. True when nothing else need look at it (it had no group)."""
         m = self.members.get(worker_id)
-        if m is None or ident != m.identity or m.state == MemberState.SERVING:
+        if m is None or ident != m.identity:
             return False
-        log.info("pool member left", worker=worker_id, state=m.state.value)
+        log.info("pool member left", worker=worker_id, state=m.state.value, model=m.model)
         del self.members[worker_id]
-        return True
+        return m.state != MemberState.SERVING  # a serving one's group ends in groups.py
 
     def on_load_status(self, ident: bytes, s: P.LoadStatus, now: float) -> None:
         """A member's load progress; a failed load marks its model failed (the caller then fails
