@@ -357,7 +357,10 @@ class Groups:
         """A group died or left; returns its unfinished requests, which keep their tokens."""
         if g.state == GroupState.GONE:
             return []
-        log.warning("group gone; requeueing its requests", group=g.name, reason=reason)
+        if reason.startswith(P.UNLOAD_SHUTDOWN):  # the model pool let its model go (idle: nothing to requeue)
+            log.info("group unloaded", group=g.name, model=g.model, reason=reason)
+        else:
+            log.warning("group gone; requeueing its requests", group=g.name, reason=reason)
         prev = g.state
         g.state = GroupState.GONE
         reqs = g.policy.drain_all() if g.policy is not None else []
