@@ -1,6 +1,6 @@
 """A pool member's own side (services/worker/pool.py), without a scheduler: what it reports while
-it loads, fails and unloads, what its budget allows, and that a reload keeps the matmul decision
-its first load measured (no second probe, the same numerics)."""
+it loads, fails and unloads, what its budget allows, and that every load of a model reports the
+numeric mode its flags give (a rule, the same on every load: the scheduler's per-model check)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ if str(ROOT) not in sys.path:
 
 from zeroserve.common import messages as P  # noqa: E402
 from zeroserve.common.config import EngineArgs  # noqa: E402
-from zeroserve.kernels import bf16, cpu_native  # noqa: E402
-from zeroserve.services.worker import matmul_probe  # noqa: E402
 from zeroserve.services.worker.pool import PoolWorker  # noqa: E402
 from tests.helpers import cached_model_dir  # noqa: E402
 
@@ -81,24 +79,19 @@ def test_a_corrupt_model_or_one_over_the_budget_fails_its_load_and_leaves_the_me
         w.ctx.term()
 
 
-def test_a_reload_reuses_the_matmul_decision_of_the_first_load(monkeypatch):
-    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "1")
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    probes = []
-
-    def measure(runner):
-        probes.append(1)
-        return {1: (1.0, 2.0), 8: (1.0, 0.5), 256: (9.0, 3.0)}, {"x_ms": 1.0}
-
-    monkeypatch.setattr(matmul_probe, "measure", measure)
-    w, sent = _member(matmul_dtype="auto")
+def test_every_load_reports_the_numeric_mode_of_the_member_flags():
+    w, sent = _member(matmul_dtype="bfloat16")
     path = str(cached_model_dir("llama"))
     try:
+        modes = []
         for k in range(2):
             w._load(P.Load(load_id=f"l{k}", model="tiny", path=path))
-            assert w.runner.matmul_dtype == "bfloat16 from 8 rows" and bf16.min_rows(w.runner.model) == 8
+            h = w._hello()
+            assert (h.pool, h.model) == (True, "tiny") and h.numeric_mode == w.runner.numeric_mode
+            modes.append(h.numeric_mode)
             w._unload()
-        assert len(probes) == 1, "the second load probed again"
+            assert w._hello().numeric_mode == ""  # empty: no model, no mode
+        assert modes[0].startswith("bfloat16/") and modes[0] == modes[1]
         assert _phases(sent) == ["loading", "loaded", "unloaded"] * 2
     finally:
         w.ctx.term()

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from zeroserve.common import messages as P
-from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, BoundedCache, CatalogEntry, load_catalog, parse_keep_alive
-from zeroserve.common.chat import chat_prompt, load_chat_template
+from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, BoundedCache, load_catalog, parse_keep_alive
+from zeroserve.common.chat import load_chat_template
 from zeroserve.common.tool_parsers import PARSERS, parser_for_template
 from zeroserve.common.codec import ProtocolError, group_topic, v1_refusal
 from zeroserve.common.config import SchedulerConfig, from_cli_args
@@ -31,8 +31,9 @@ from zeroserve.common.errors import InvalidRequest, ZeroserveError
 from zeroserve.common.log import LogBudget, get_logger
 from zeroserve.common.memory import Trimmer, freeze_startup_heap
 from zeroserve.common.transport import Channel, is_loopback, make_socket
-from zeroserve.services.scheduler.cluster import Cluster, ModelInfo
-from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
+from zeroserve.services.scheduler.cluster import Cluster
+from zeroserve.services.scheduler.models import load_models
+from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox, TokenizeJob
 from zeroserve.services.scheduler.structured import GrammarCompiler
 
 log = get_logger("scheduler")
@@ -42,28 +43,6 @@ MAX_SUBSCRIPTION_BYTES = 1024  # a group topic is <= 258 bytes; a SUB sending mo
 BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3 of these
 
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
-
-
-def load_models(dirs: list[str], generation_config: str = "auto",
-                catalog: dict[str, CatalogEntry] | None = None) -> dict[str, ModelInfo]:
-    """The served models' configs and sampling defaults (cheap; a directory we cannot serve fails
-    here, at start). Their tokenizers load in the background (`SchedulerService`): transformers
-    takes seconds to import, and a restarted scheduler must answer pings and HELLOs at once.
-    Catalog models whose config could be read come after them (the others stay in the catalog,
-    failed, with the reason)."""
-    from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
-
-    named = [(mc.name, mc) for mc in map(ModelConfig.from_dir, dirs)]
-    named += [(e.name, e.config) for e in (catalog or {}).values() if e.config is not None]
-    models = {}
-    for name, mc in named:
-        if name in models:  # a --model wins over a catalog entry of the same name
-            continue
-        defaults = resolve_sampling_defaults(mc, generation_config)
-        if defaults:  # vLLM says this too: a request's unset fields will not be SamplingParams' defaults
-            log.info("sampling defaults from the model's generation config", model=name, **defaults)
-        models[name] = ModelInfo(name, mc, sampling_defaults=defaults)
-    return models
 
 
 class SchedulerService:
@@ -77,7 +56,7 @@ class SchedulerService:
         catalog = load_catalog(cfg.models_dir, cfg.models_config, parse_keep_alive(cfg.keep_alive, "--keep-alive"))
         if catalog:
             log.info("model catalog", models={n: e.error or e.path for n, e in catalog.items()})
-        models = load_models(cfg.models, cfg.generation_config, catalog)
+        models = load_models(cfg.models, cfg.generation_config, cfg.pooling, catalog)
         self.addrs = addrs = cfg.addresses()
         # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
         # domain is its name): client keys on "client", worker and detokenizer keys on "backend"
@@ -290,22 +269,16 @@ class SchedulerService:
         log.info("tokenizer loaded", model=name)
         return tok
 
-    def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None,
-                  ids: list[int] | None = None, constraint=None, tools: list[dict] | None = None) -> None:
-        loading = self.tokenizers.get(model)
-        grammars = self.grammars.get(model) if constraint is not None else None
+    def _tokenize(self, job: TokenizeJob) -> None:
+        # the caches are the loop's: a catalog model's tokenizer (and compiler) start here
+        loading = self.tokenizers.get(job.model)
+        grammars = self.grammars.get(job.model) if job.constraint is not None else None
 
-        def job():
-            if ids is not None:
-                out = ids
-            elif messages is not None:  # the chat template, here for every client alike
-                out = chat_prompt(loading.result(), messages, self.chat_template, tools)[1]
-            else:
-                out = loading.result().encode(text)
-            # the grammar compiles here too, off the loop (xgrammar releases the GIL), cached
-            return out, (grammars.compile(constraint) if constraint is not None else None)
+        def run():
+            _text, ids, grammar = job.run(loading.result, self.chat_template, grammars)
+            return ids, grammar
 
-        self.pool.submit(job).add_done_callback(lambda f: self._tokenized(key, f))
+        self.pool.submit(run).add_done_callback(lambda f: self._tokenized(job.key, f))
 
     def _tokenized(self, key: str, fut) -> None:  # runs in a pool thread
         try:
@@ -334,7 +307,7 @@ class SchedulerService:
                 if it.on_fail is not None:
                     it.on_fail()
         for job in ob.tokenize:
-            self._tokenize(*job)
+            self._tokenize(job)
 
 
 def main(args) -> int:

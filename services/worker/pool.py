@@ -32,7 +32,6 @@ from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.log import get_logger
 from zeroserve.common.memory import freeze_startup_heap, trim
 from zeroserve.common.model_config import ModelConfig
-from zeroserve.services.worker import matmul_probe
 from zeroserve.services.worker.model_runner import ModelRunner
 from zeroserve.services.worker.service import EXIT_OK, Rejoin, WorkerService
 
@@ -53,7 +52,6 @@ class PoolWorker(WorkerService):
         self.budget = memory_budget_bytes or 0
         self.model_name = ""  # the catalog's name for what we hold ("" while empty)
         self.load_id = ""
-        self.matmul_decisions: dict[str, str] = {}  # model path -> what --matmul-dtype auto chose there
 
     # ------------------------------------------------------------------ HELLO
     def _hello(self) -> P.Hello:
@@ -126,16 +124,10 @@ class PoolWorker(WorkerService):
         self.load_id, self.model_name = msg.load_id, msg.model
         log.info("loading model", model=msg.model, path=msg.path)
         self._status("loading", t0)
-        # --matmul-dtype auto probes a model's steps at its first load here; later loads reuse the
-        # answer (the same numerics after a reload, and no probe: up to a minute on a busy CPU)
-        decided = self.matmul_decisions.get(msg.path) if self.base_args.matmul_dtype == "auto" else None
         try:
             cfg = ModelConfig.from_dir(msg.path)
-            args = dataclasses.replace(self.base_args, model=msg.path, **self._kv_budget(msg.path),
-                                       **({"matmul_dtype": "float32"} if decided else {}))
+            args = dataclasses.replace(self.base_args, model=msg.path, **self._kv_budget(msg.path))
             runner = ModelRunner(args, cfg, device=self.device)
-            if decided:
-                runner.matmul_dtype = matmul_probe.reapply(runner, decided)
         except Exception as e:  # noqa: BLE001 - any failure fails this load only, in words
             log.error("model load failed", model=msg.model, reason=f"{type(e).__name__}: {e}")
             self._free()
@@ -143,10 +135,9 @@ class PoolWorker(WorkerService):
             self.model_name = ""
             return
         self.runner, self.model_cfg, self.args = runner, cfg, args
-        if self.base_args.matmul_dtype == "auto":
-            self.matmul_decisions[msg.path] = runner.matmul_dtype
         log.info("model loaded", model=msg.model, seconds=round(time.monotonic() - t0, 2), kv_blocks=runner.num_blocks,
-                 param_bytes=runner.param_bytes(), rss=psutil.Process().memory_info().rss)
+                 param_bytes=runner.param_bytes(), numeric_mode=runner.numeric_mode,
+                 rss=psutil.Process().memory_info().rss)
         self._status("loaded", t0)
 
     def _kv_budget(self, path: str) -> dict:
@@ -195,3 +186,4 @@ class PoolWorker(WorkerService):
     def _on_shutdown(self, msg: P.Shutdown) -> None:
         if msg.reason.startswith(P.UNLOAD_SHUTDOWN):
             raise Unloaded(msg.reason)
+
