@@ -333,7 +333,10 @@ def _run(args) -> int:
             args.model = args.model or str(default_model_dir())
 
         configure(args.threads)  # before torch loads: OpenMP reads its environment once
-        from zeroserve.services.worker.service import main as worker_main
+        if args.pool:
+            from zeroserve.services.worker.pool import main as worker_main
+        else:
+            from zeroserve.services.worker.service import main as worker_main
 
         return worker_main(args)
     if args.cmd == "gateway":

@@ -27,13 +27,13 @@ import torch
 
 from zeroserve.common import messages as P
 from zeroserve.common.catalog import weight_bytes_on_disk
-from zeroserve.common.config import EngineArgs
+from zeroserve.common.config import EngineArgs, from_cli_args
 from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.log import get_logger
 from zeroserve.common.memory import freeze_startup_heap, trim
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.services.worker.model_runner import ModelRunner
-from zeroserve.services.worker.service import EXIT_OK, Rejoin, WorkerService
+from zeroserve.services.worker.service import EXIT_OK, Rejoin, WorkerService, serve, setup
 
 log = get_logger("worker")
 
@@ -187,3 +187,11 @@ class PoolWorker(WorkerService):
         if msg.reason.startswith(P.UNLOAD_SHUTDOWN):
             raise Unloaded(msg.reason)
 
+
+def main(args) -> int:
+    """`zeroserve worker --pool`: a member with no model at start."""
+    wargs = setup(args)
+    return serve(PoolWorker(from_cli_args(EngineArgs, args, model=None), wargs.scheduler,
+                            memory_budget_bytes=wargs.memory_budget_bytes, worker_id=wargs.worker_id,
+                            heartbeat_interval_s=wargs.heartbeat_interval_s, advertise_host=wargs.advertise_host,
+                            curve_keys=wargs.curve_keys, curve_client=wargs.curve_client))

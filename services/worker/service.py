@@ -318,25 +318,28 @@ class WorkerService:
         self.peer.goodbye(reason)
 
 
-def main(args) -> int:
+def setup(args) -> WorkerArgs:
+    """A worker process's start, before its service is built: logging, torch's threads."""
     setup_logging(service="worker")
     wargs = from_cli_args(WorkerArgs, args)
     if wargs.threads:
         torch.set_num_threads(wargs.threads)
-    if wargs.pool:
-        from zeroserve.services.worker.pool import PoolWorker
+    return wargs
 
-        svc = PoolWorker(from_cli_args(EngineArgs, args, model=None), wargs.scheduler,
-                         memory_budget_bytes=wargs.memory_budget_bytes, worker_id=wargs.worker_id,
-                         heartbeat_interval_s=wargs.heartbeat_interval_s, advertise_host=wargs.advertise_host,
-                         curve_keys=wargs.curve_keys, curve_client=wargs.curve_client)
-    else:
-        eargs = from_cli_args(EngineArgs, args, model=args.model)
-        svc = WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank,
-                            worker_id=wargs.worker_id, heartbeat_interval_s=wargs.heartbeat_interval_s,
-                            dist_init_addr=wargs.dist_init_addr, advertise_host=wargs.advertise_host,
-                            curve_keys=wargs.curve_keys, curve_client=wargs.curve_client,
-                            collective_ifname=wargs.collective_ifname)
+
+def serve(svc: WorkerService) -> int:
+    """Run a worker process's service until it leaves; SIGTERM and SIGINT drain it."""
     signal.signal(signal.SIGTERM, lambda *_: svc.drain_requested.set())
     signal.signal(signal.SIGINT, lambda *_: svc.drain_requested.set())
     return svc.run()
+
+
+def main(args) -> int:
+    """`zeroserve worker` (a pool member, `--pool`, starts from services/worker/pool.py's main)."""
+    wargs = setup(args)
+    eargs = from_cli_args(EngineArgs, args, model=args.model)
+    return serve(WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank,
+                               worker_id=wargs.worker_id, heartbeat_interval_s=wargs.heartbeat_interval_s,
+                               dist_init_addr=wargs.dist_init_addr, advertise_host=wargs.advertise_host,
+                               curve_keys=wargs.curve_keys, curve_client=wargs.curve_client,
+                               collective_ifname=wargs.collective_ifname))
