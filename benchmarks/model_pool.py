@@ -12,9 +12,6 @@ Q4_1 (two names for one file: two models to the pool, the same bytes to load) an
    (Client.load_model / unload_model); the member's RSS when empty after the first cycle and after
    the last (the issue asks for within 10%), and loaded after the first.
 
-Workers run with `--matmul-dtype float32`: `auto` adds a probe (timed whole steps, ~3 s on a quiet
-box, 90 s on the busy 2-core one) to a model's first load on a worker, which is not the pool's cost.
-
     .venv/bin/python benchmarks/model_pool.py [--swaps 4] [--cycles 20] [--json]
 """
 
@@ -74,7 +71,7 @@ def main(argv=None) -> int:
     for name in ("smol-a.gguf", "smol-b.gguf"):
         os.symlink(gguf, root / name)
     cluster = PoolCluster(["--models-dir", str(root), "--keep-alive", "-1"], workers=1, num_kv_blocks=512,
-                          threads=args.threads, worker_args=["--matmul-dtype", "float32"])
+                          threads=args.threads)
     out: dict = {"benchmark": "model_pool", "env": environment(), "model": gguf.name}
     try:
         cluster.start()

