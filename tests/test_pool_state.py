@@ -10,7 +10,9 @@ empty HELLO; a fake clock drives keep_alive and liveness. What the policy must h
 * keep_alive unloads an idle model, never a pinned one;
 * a failed load fails that model's waiting requests with ModelLoadError, marks it failed, and
   leaves the other models alone; a member silent during its load is dropped and its load given
-  to another member.
+  to another member;
+* a member whose load computes in another numeric mode than the model's fails that load the same
+  way, frees the model and stays in the pool.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class PoolNet(Net):
         self.broken: set[str] = set()  # models whose load fails
         self.stopped: set[str] = set()  # members that stopped answering (killed)
         self.slow: set[str] = set()  # members that heartbeat but leave their messages unread (a long load)
+        self.modes: dict[str, str] = {}  # member -> the numeric mode its loads report (default MODE)
         self.loads: list[tuple[str, str]] = []  # (member, model) in order
         self.unloads: list[tuple[str, str]] = []
 
@@ -68,9 +71,11 @@ class PoolNet(Net):
     def _hello(self, wid: str, model: str) -> None:
         w = self.members[wid]
         h = P.Hello(role="worker", worker_id=wid, group=f"g-{wid}", pool=True, model=model,
-                    num_kv_blocks=64 if model else 0, block_size=16 if model else 0, max_model_len=2048)
+                    num_kv_blocks=64 if model else 0, block_size=16 if model else 0, max_model_len=2048,
+                    numeric_mode=self.modes.get(wid, MODE) if model else "")
         self.send(self.c.on_hello(w.ident, h, self.now))
-        assert self.backend[w.ident][-1].status == "accepted", self.backend[w.ident][-1]
+        last = self.backend[w.ident][-1]  # welcomed, or told to unload what it holds
+        assert isinstance(last, P.Unload) or last.status == "accepted", last
 
     def turn(self, detok: bool = True) -> None:
         for wid, w in self.members.items():
@@ -91,7 +96,8 @@ class PoolNet(Net):
                     self.send(self.c.on_load_status(w.ident, P.LoadStatus(
                         worker_id=wid, load_id=m.load_id, phase="loaded", model=m.model, elapsed_s=0.5), self.now))
                     self._hello(wid, m.model)
-                    self.workers[f"g-{wid}"] = [w]
+                    if not isinstance(self.backend[w.ident][-1], P.Unload):
+                        self.workers[f"g-{wid}"] = [w]
                 elif isinstance(m, P.Unload):
                     self.unloads.append((wid, self.c.pool.members[wid].model))
                     self.workers.pop(f"g-{wid}", None)
@@ -126,6 +132,9 @@ class PoolNet(Net):
 
     def holding(self) -> dict[str, str]:
         return {w: m.model for w, m in self.c.pool.members.items() if m.state.value == "serving"}
+
+
+MODE = "float32/cpu-avx512/kv-float32/weights-auto"
 
 
 def _net(entries: dict[str, dict], members: int = 2, **over) -> PoolNet:
@@ -322,7 +331,7 @@ def test_a_pool_hello_naming_a_live_workers_id_from_another_connection_is_refuse
     assert net.c.groups.group_of("m0") is g and g.state.value == "ready" and net.holding() == {"m0": "a"}
     # a worker started with --model (not a pool member): its id is no pool member's to take either
     net.send(net.c.on_hello(b"fixed", P.Hello(role="worker", worker_id="fixed", group="gf", model="a",
-                                              num_kv_blocks=64, block_size=16), net.now))
+                                              num_kv_blocks=64, block_size=16, numeric_mode=MODE), net.now))
     gf = net.c.groups.get("gf")
     net.send(net.c.on_hello(b"rogue2", P.Hello(role="worker", worker_id="fixed", pool=True), net.now))
     assert net.backend[b"rogue2"][-1].status == "refused" and "already connected" in net.backend[b"rogue2"][-1].detail
@@ -363,3 +372,22 @@ def test_a_member_that_says_goodbye_leaves_the_pool_and_its_model_moves_at_once(
     p = net.ask("r2", "a", seed=2)
     net.run(lambda: net.finished("r2"), turns=60)  # well within the heartbeat timeout
     assert net.got_all("r2")[0] == reference(p, 4) and list(net.holding()) == [w for w in ("m0", "m1") if w != holder]
+
+
+def test_a_member_loading_a_model_in_another_numeric_mode_fails_that_load_and_stays_in_the_pool():
+    net = _net({"a": {}, "b": {}}, members=2)
+    _serve(net, "r0", "a")  # m1 loads a: a's numeric mode is fixed
+    assert net.c.groups.model_modes["a"] == MODE
+    net.send(net.c.on_models_control(b"client-1", P.ModelsControl(action="unload", model="a"), net.now))
+    net.run(lambda: not net.holding())
+    net.modes["m1"] = "bfloat16/cpu-avx512/kv-float32/weights-auto"  # restarted with --matmul-dtype bfloat16
+    net.ask("r1", "a", seed=2)
+    net.run(lambda: net.finished("r1"))
+    (err,) = net.got_all("r1")[3]
+    assert err.code == "model_load" and "numeric mode" in err.message and "'a'" in err.message
+    card = next(m for m in net.c._models_reply().models if m.id == "a")
+    assert card.state == "failed" and "bfloat16" in card.reason
+    net.run(lambda: net.c.pool.members["m1"].state.value == "idle")  # it freed the model it loaded
+    assert net.unloads == [("m1", "a")] * 2 and set(net.c.pool.members) == {"m0", "m1"}
+    assert net.c.groups.model_modes["a"] == MODE and not net.holding()
+    _serve(net, "r2", "b", seed=3)  # the member serves other models

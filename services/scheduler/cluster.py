@@ -313,6 +313,7 @@ class Cluster:
         else:
             handled, orphans = self.pool.on_hello(ident, h, now, ob) if h.pool else (False, [])
             self._requeue(orphans if handled else orphans + self.groups.hello(ident, h, now, ob), ob)
+            self._fail_unloadable(ob)  # a member's model in another numeric mode failed its load
         return ob
 
     def on_load_status(self, ident: bytes, m: P.LoadStatus, now: float) -> Outbox:

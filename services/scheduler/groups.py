@@ -182,7 +182,7 @@ class Groups:
         if h.block_size <= 0 or h.num_kv_blocks <= 0:
             self.refuse(ident, "a worker must report its KV capacity (num_kv_blocks, block_size)", ob)
             return []
-        reason = self._implausible(h) or self._other_mode(h)
+        reason = self._implausible(h) or self.other_mode(h)
         if reason:
             self.refuse(ident, reason, ob, h.worker_id)
             return []
@@ -238,7 +238,7 @@ class Groups:
                     f"{MAX_KV_BYTES >> 40} TiB of KV cache; report the real capacity")
         return None
 
-    def _other_mode(self, h: P.Hello) -> str | None:
+    def other_mode(self, h: P.Hello) -> str | None:
         """Why a shard's numeric mode may not serve its model here (None: it may)."""
         have = self.model_modes.get(h.model)
         if have is None or have == h.numeric_mode:

@@ -148,7 +148,8 @@ class SchedulerMetrics:
                                                                 "model_loads: the mean load time).")
         self.model_load_failures = counter("model_load_failures", "Catalog model loads that failed.")
         self.model_evictions = counter("model_evictions", "Models unloaded to make room for another one.")
-        self.model_unloads = counter("model_unloads", "Models unloaded, by why (evicted, keep_alive, asked, timeout).",
+        self.model_unloads = counter("model_unloads", "Models unloaded, by why (evicted, keep_alive, asked, timeout, "
+                                     "numeric_mode).",
                                      [*MODEL, "reason"])
         self.pool_members = Gauge(p + "pool_members", "Model-pool members by state.", ["state"], registry=r)
         self._pool_seen: dict[tuple, float] = {}

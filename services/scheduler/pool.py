@@ -7,6 +7,8 @@ memory budget, and loads what the scheduler asks. Its life here:
   SERVING --Unload--> UNLOADING --(LoadStatus unloaded, then its empty HELLO)--> IDLE
   LOADING --(LoadStatus failed)--> IDLE, the model marked failed (its waiting requests get
   ModelLoadError; nothing else changes)
+  LOADING --(its HELLO for the model in another numeric mode than the model's here: groups.py)-->
+  UNLOADING, the model marked failed likewise (the member's flags or kernel build differ)
 
 While SERVING the member is an ordinary one-shard worker group (groups.py runs its life cycle and
 steps); the pool only decides what it loads and when it lets a model go. A member that misses its
@@ -160,6 +162,12 @@ class Pool:
             self.members[h.worker_id] = m = Member(h.worker_id, ident, h.memory_budget_bytes, now, since=now)
             m.state, m.model = MemberState.SERVING, h.model
         m.identity, m.last_seen, m.last_busy = ident, now, now
+        why = self.groups.other_mode(h)
+        if why is not None:  # loaded, but computes the model otherwise than it is served here: a failed load
+            log.error("model failed to load", model=h.model, worker=h.worker_id, reason=why)
+            self._set_failed(h.model, why)
+            self.load_failures[h.model] += 1
+            return True, orphans + self._unload(m, "numeric_mode", why, now, ob)
         self.wanted.discard(h.model)
         return False, orphans
 
