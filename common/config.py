@@ -323,6 +323,24 @@ class TokenizerArgs:
 
 
 @dataclass(kw_only=True)
+class CatalogArgs:
+    """model pool catalog (models loaded on demand by pool workers: common/catalog.py)"""
+
+    models_dir: str | None = knob(None, "a folder whose .gguf files and HF model folders are all served, loaded on "
+                                        "demand by pool workers (worker --pool)", metavar="DIR")
+    models_config: str | None = knob(None, "a TOML file: models by name (path, pinned, keep_alive, max_groups) "
+                                           "and defaults (docs/deployment.md, Model pool)", metavar="FILE")
+
+
+@dataclass(kw_only=True)
+class PoolArgs(CatalogArgs):
+    """model pool"""
+
+    keep_alive: str = knob("5m", "how long a catalog model stays loaded after its last request (30s, 5m, 1h; "
+                                 "0 = unload when idle; negative = never)")
+
+
+@dataclass(kw_only=True)
 class GenerationArgs:
     """sampling defaults"""
 
@@ -433,7 +451,7 @@ class MetricsArgs:
 
 
 @dataclass(kw_only=True)
-class GatewayArgs(CurveClientArgs):
+class GatewayArgs(CurveClientArgs, CatalogArgs):
     """HTTP gateway (OpenAI-compatible API)"""
 
     scheduler: str = knob(f"tcp://127.0.0.1:{DEFAULT_PORT}", "the scheduler's client address")
@@ -541,8 +559,8 @@ WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArg
 
 
 @dataclass(kw_only=True)
-class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, GenerationArgs, ChatArgs, SchedulerArgs, LivenessArgs,
-                      MetricsArgs, CurveArgs):
+class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, PoolArgs, GenerationArgs, ChatArgs, SchedulerArgs,
+                      LivenessArgs, MetricsArgs, CurveArgs):
     """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
 
     no_worker_timeout_s: float = 300.0  # a request waits this long for a group serving its model
@@ -551,6 +569,11 @@ class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, GenerationArgs, C
     probe_interval_s: float = 0.1
     stats_interval_s: float = 1.0
     seed: int = 0
+    model_load_timeout_s: float = knob(600.0, "seconds a pool member may take to load a model before the load is "
+                                              "given up (its requests wait for another member)",
+                                       flag="--model-load-timeout")
+    max_waiting_per_model: int = knob(256, "requests one catalog model may hold waiting for a load before new "
+                                           "ones get Overloaded")
 
     def addresses(self) -> dict[str, str]:
         h, p = self.host, self.port
@@ -561,6 +584,12 @@ class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, GenerationArgs, C
 @dataclass(kw_only=True)
 class WorkerArgs(PeerArgs, AdvertiseArgs, ThreadArgs):
     """worker shard"""
+
+    pool: bool = knob(False, "join as a model-pool member: no model at start; load and unload the scheduler's "
+                             "catalog models on its request (--model is ignored)")
+    memory_budget_bytes: int | None = knob(None, "a pool member's bytes for one model's weights + KV cache (default: "
+                                                 "--kv-cache-memory-bytes + the largest weights it is asked to load)",
+                                           flag="--memory-budget")
 
     group: str | None = knob(None, "worker group name (shards of one tensor-parallel group share it; "
                                    "default: one group per worker)")
@@ -573,5 +602,5 @@ class WorkerArgs(PeerArgs, AdvertiseArgs, ThreadArgs):
 
 
 @dataclass(kw_only=True)
-class DetokenizerArgs(PeerArgs, TokenizerArgs):
+class DetokenizerArgs(PeerArgs, TokenizerArgs, CatalogArgs):
     """The detokenizer process."""

@@ -157,6 +157,9 @@ class MetricsReply(Message):
     text: str = ""  # Prometheus text exposition format
 
 
+ModelState = Literal["available", "loading", "loaded", "unloading", "failed"]
+
+
 class ModelCard(Message):
     id: Name
     max_model_len: Count = 0
@@ -164,6 +167,20 @@ class ModelCard(Message):
     # the format its tool calls are parsed in (tool_choice auto), from --tool-call-parser or its
     # chat template; "" while its tokenizer loads, or when nothing is recognised
     tool_call_parser: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # the model pool (services/scheduler/pool.py): a model started with --model is "loaded"
+    # while a group serves it; a catalog model goes available -> loading -> loaded -> unloading
+    state: ModelState = "loaded"
+    reason: Text = ""  # failed: why its load failed
+    pinned: bool = False
+    waiting: Count = 0  # requests queued for a group of it
+
+
+class ModelsControl(Message):
+    """A client (the gateway's POST /v1/models/load and /unload) asks the pool to load or unload
+    a catalog model; answered with a ModelsReply (or an Error naming what is wrong)."""
+
+    action: Literal["load", "unload"]
+    model: Name
 
 
 class ModelsReply(Message):
@@ -304,6 +321,10 @@ class Hello(Message, kw_only=True):
     # policy reserves KV slots for that many lookahead tokens of each decoding request
     num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+    # a pool member (worker --pool): model "" while it holds none; it loads and unloads the
+    # catalog models the scheduler asks for within this many bytes (weights + KV)
+    pool: bool = False
+    memory_budget_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
     # what the shard computes (services/worker/numerics.py: matmul dtype / kernel build / KV dtype
     # / weight format): groups of one model must compute alike for failover to stay exact
     numeric_mode: Annotated[str, msgspec.Meta(max_length=200)] = ""
@@ -311,6 +332,8 @@ class Hello(Message, kw_only=True):
     kept: Annotated[list[KeptSeq], msgspec.Meta(max_length=MAX_KEPT_SEQS)] = msgspec.field(default_factory=list)
 
     def check(self) -> str | None:
+        if self.pool and self.tp_size != 1:
+            return "a pool member is one shard (tp_size 1)"
         if not self.tp_rank < self.tp_size:
             return f"tp_rank {self.tp_rank} / tp_size {self.tp_size}: need 0 <= tp_rank < tp_size"
         return None
@@ -543,6 +566,48 @@ class Shutdown(Message):
     reason: Text = ""
 
 
+# a Shutdown whose reason starts with this ended a pool member's model (Unload says so too, on the
+# member's own socket; whichever arrives first frees the model), not the worker
+UNLOAD_SHUTDOWN = "unload"
+
+
+class Load(Message):
+    """Scheduler -> pool member: free what you hold, then load `model` from `path` (the catalog's
+    path, as this worker sees it). Answered with LoadStatus messages, then a HELLO for it."""
+
+    load_id: Name
+    model: Name
+    path: Text
+
+
+class Unload(Message):
+    """Scheduler -> pool member: free the model (weights and KV), answer LoadStatus "unloaded",
+    then say HELLO as an empty member."""
+
+    load_id: Name
+    reason: Text = ""
+
+
+LoadPhase = Literal["loading", "loaded", "failed", "unloaded"]
+
+
+class LoadStatus(Message):
+    """Pool member -> scheduler: a load's (or unload's) progress; `error` says why one failed."""
+
+    worker_id: Name
+    load_id: Name
+    phase: LoadPhase
+    model: str = ""
+    error: Text = ""
+    elapsed_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] = 0.0
+    memory: ShardMemory = msgspec.field(default_factory=ShardMemory)  # after the load or unload
+
+    def check(self) -> str | None:
+        if self.phase == "failed" and not self.error:
+            return "a failed load says why (error)"
+        return None
+
+
 # ==================================================================== Detokenizer <-> scheduler
 
 
@@ -643,6 +708,6 @@ MESSAGE_TYPES: dict[bytes, type[Message]] = {
     for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, MetricsRequest,
                 MetricsReply, Output, Outputs, Reattach,
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
-                Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
+                Shutdown, Load, Unload, LoadStatus, ModelsControl, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }
 NESTED_TYPES = (ChatMessage, ModelCard, ResumeSeq, KeptSeq, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)

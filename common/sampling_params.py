@@ -107,6 +107,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     logprobs: int | None = None  # top-N logprobs per token, plus the chosen token
     skip_special_tokens: bool = True
     model: str | None = None  # which served model; None = the only/default one
+    # the model pool (Ollama's keep_alive): seconds the model stays loaded once idle after this
+    # request, for it and later ones that give none (negative: forever); None: the model's own
+    keep_alive: float | None = None
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (vLLM's name)
 
     def __post_init__(self) -> None:
@@ -183,6 +186,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                 raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.model is not None and not (isinstance(self.model, str) and len(self.model) <= 256):
             raise bad(f"model must be a string of at most 256 characters, got {self.model!r:.100}")
+        if self.keep_alive is not None and not is_num(self.keep_alive):
+            raise bad(f"keep_alive must be a number of seconds (negative: forever), got {self.keep_alive!r:.100}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs must be a StructuredOutputsParams or a dict of its fields, got "
                       f"{type(self.structured_outputs).__name__}")

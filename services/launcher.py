@@ -27,6 +27,7 @@ from zeroserve.common.config import (
     from_cli_args,
     to_cli_args,
 )
+from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import get_logger, setup_logging
 from zeroserve.services.worker.threads import usable_cpus, wait_policy_for
 
@@ -72,13 +73,18 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
     base = [sys.executable, "-m", "zeroserve.services.cli"]
     # CURVE: every child gets the key directory (workers and the detokenizer use client "client")
     curve_keys = str(Path(args.curve_keys).resolve()) if getattr(args, "curve_keys", None) else None
-    sched = from_cli_args(SchedulerConfig, args, models=[model], curve_keys=curve_keys)
+    pool = is_pool(args)  # a catalog: the workers are pool members, models load on demand
+    catalog = {k: str(Path(getattr(args, k)).resolve()) for k in ("models_dir", "models_config")
+               if getattr(args, k, None)}
+    models = [] if pool else [model]
+    sched = from_cli_args(SchedulerConfig, args, models=models, curve_keys=curve_keys, **catalog)
     backend = sched.addresses()["backend"]
-    detok = DetokenizerArgs(scheduler=backend, models=[model], curve_keys=curve_keys)
+    detok = DetokenizerArgs(scheduler=backend, models=models, curve_keys=curve_keys, **catalog)
     children = [Child("scheduler", base + ["scheduler", *to_cli_args(sched)], role="scheduler"),
                 Child("detokenizer", base + ["detokenizer", *to_cli_args(detok, skip=("curve_client",))],
                       role="detokenizer")]
-    engine = to_cli_args(from_cli_args(EngineArgs, args, model=model, tp_size=args.tp), only=WORKER_ENGINE_KNOBS)
+    engine = to_cli_args(from_cli_args(EngineArgs, args, model=None if pool else model, tp_size=args.tp),
+                         only=WORKER_ENGINE_KNOBS)
     n_shards = args.workers * args.tp
     cpus = usable_cpus()
     threads = args.threads or max(1, cpus // n_shards)
@@ -87,18 +93,22 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
     worker_env = {"OMP_WAIT_POLICY": policy} if policy else {}
     for g in range(args.workers):
         for r in range(args.tp):
-            worker = WorkerArgs(scheduler=backend, group=f"g{g}", tp_rank=r, worker_id=f"g{g}-r{r}", threads=threads,
-                                curve_keys=curve_keys)
+            worker = WorkerArgs(scheduler=backend, group=None if pool else f"g{g}", tp_rank=r, worker_id=f"g{g}-r{r}",
+                                threads=threads, curve_keys=curve_keys, pool=pool)
             name = f"worker g{g}" + (f" rank {r}" if args.tp > 1 else "")
             children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine],
                                   env=dict(worker_env)))
     if gateway:
         gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
-                         models=[model], curve_keys=curve_keys, nice=args.gateway_nice,
+                         models=models, curve_keys=curve_keys, nice=args.gateway_nice, **catalog,
                          ui=not getattr(args, "no_ui", False))
         children.append(Child("gateway", base + ["gateway", *to_cli_args(gw, skip=("curve_client",))],
                               role="gateway"))
     return children
+
+
+def is_pool(args) -> bool:
+    return bool(getattr(args, "models_dir", None) or getattr(args, "models_config", None))
 
 
 def _wait_port(host: str, port: int, child: Child, timeout_s: float = 60.0, tick=lambda: None) -> None:
@@ -225,9 +235,20 @@ def main(args) -> int:
     setup_logging(service="up")
     from zeroserve.services.tiny_model import REAL_MODEL_PACKAGE, default_model_dir, installed_real_model
 
-    real = installed_real_model() if args.demo is not None and not args.model else None
-    builtin = not args.model and real is None
-    if args.model:
+    pool = is_pool(args)
+    if pool and (args.model or args.tp > 1):
+        raise InvalidRequest("with --models-dir / --models-config the workers are pool members that load the "
+                             "catalog's models: leave out --model (and --tp: a pool member is one shard)")
+    real = installed_real_model() if args.demo is not None and not args.model and not pool else None
+    builtin = not args.model and real is None and not pool
+    if pool:
+        from zeroserve.common.catalog import load_catalog
+
+        catalog = load_catalog(args.models_dir, args.models_config)  # a bad file: one message here
+        model = ", ".join(catalog) or "(an empty catalog)"
+        print(f"catalog: {len(catalog)} model(s), loaded on demand by {args.workers} pool worker(s): {model}",
+              flush=True)
+    elif args.model:
         model = str(Path(args.model).resolve())
     elif real is not None:
         model = str(real)
@@ -239,7 +260,8 @@ def main(args) -> int:
               flush=True)
     from zeroserve.common.model_config import ModelConfig
 
-    ModelConfig.from_dir(model)  # a model we cannot serve: one message here, not a traceback per child
+    if not pool:
+        ModelConfig.from_dir(model)  # a model we cannot serve: one message here, not a traceback per child
     curve_keys = getattr(args, "curve_keys", None)
     if curve_keys:  # check the key directory once here, not in every child's crash loop
         from zeroserve.common.curve import CURVE_ROLES, curve_client_keys, curve_server_keys
@@ -279,7 +301,7 @@ def main(args) -> int:
                   "user) can submit requests, read prompts or join as a worker/detokenizer; to turn it on: "
                   "zeroserve keys DIR, then zeroserve up --curve-keys DIR", flush=True)
         try:
-            if wait_ready(client_addr, args.workers, children, should_stop=lambda: stopping,
+            if wait_ready(client_addr, 0 if pool else args.workers, children, should_stop=lambda: stopping,
                           curve_keys=curve_keys) is None:
                 return 0
             if gateway is not None:
@@ -292,7 +314,8 @@ def main(args) -> int:
         except (TimeoutError, RuntimeError) as e:
             print(f"zeroserve up: {e}", file=sys.stderr, flush=True)
             return 1
-        print(f"ready: {args.workers} worker group(s) x {args.tp} shard(s) serving {Path(model).name} at {client_addr}"
+        print(f"ready: {args.workers} worker group(s) x {args.tp} shard(s) serving "
+              f"{model if pool else Path(model).name} at {client_addr}"
               f"  (try: zeroserve generate \"hello\" --address {client_addr})", flush=True)
         if args.demo is not None:
             _demo(client_addr, args.demo, builtin, curve_keys)

@@ -28,6 +28,34 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                     help="copy this HF directory or .gguf file to --model first (env ZEROSERVE_MODEL_SOURCE; "
                          "without --model: into $ZEROSERVE_CACHE under its own name). An existing copy of the "
                          "same files and sizes is kept")
+    ap.add_argument("--models-dir", default=os.environ.get("ZEROSERVE_MODELS_DIR") or None,
+                    help="a model pool's folder (env ZEROSERVE_MODELS_DIR): check every model in it instead of one; "
+                         "a broken one is reported, an empty folder is an error")
+
+
+def check_catalog(models_dir: str) -> int:
+    """A model pool's folder (`--models-dir`): each model checked as `check_model` checks one. A
+    broken model does not stop the stack (the pool lists it as failed, with the reason); an
+    empty folder does."""
+    from zeroserve.common.catalog import scan_dir
+
+    entries = scan_dir(models_dir)
+    ok = 0
+    for e in entries:
+        try:
+            cfg = check_model(Path(e.path)) if e.config is not None else None
+        except ModelLoadError as err:
+            e.error = str(err)
+            cfg = None
+        if cfg is None:
+            print(f"model {e.name!r}: FAILED, the pool will list it as failed: {e.error}", flush=True)
+        else:
+            ok += 1
+            print(f"model ready: {e.path} (served as {e.name!r}, {cfg.architecture})", flush=True)
+    if not ok:
+        raise ModelLoadError(f"--models-dir {models_dir!r} holds no model the processes can load (a .gguf file or "
+                             "an HF directory per model)")
+    return 0
 
 
 def _cache_root() -> Path:
@@ -90,6 +118,9 @@ def check_model(path: Path):
 
 def run_cli(args: argparse.Namespace) -> int:
     from zeroserve.services.tiny_model import default_model_dir
+
+    if args.models_dir and not args.model and not args.source:
+        return check_catalog(args.models_dir)
 
     default = _cache_root() / "default-model"
     model = Path(args.model) if args.model else None

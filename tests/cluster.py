@@ -236,3 +236,45 @@ class LocalCluster:
                     pass
                 time.sleep(0.2)
         raise TimeoutError(f"cluster not ready in {timeout}s; last stats {last}\n{self.logs()}")
+
+
+class PoolCluster(LocalCluster):
+    """A LocalCluster whose scheduler and detokenizer serve a catalog and whose workers are pool members."""
+
+    def __init__(self, catalog_args: list[str], workers: int = 2, **kw) -> None:
+        super().__init__("(catalog)", workers=workers, **kw)
+        self.catalog_args = catalog_args
+
+    def start_scheduler(self):
+        return self._start("scheduler", self._cmd(
+            "scheduler", "--port", str(self.port), *self.catalog_args, "--heartbeat-timeout", "3",
+            *self.scheduler_args), role="scheduler")
+
+    def start_detokenizer(self, name: str = "detokenizer"):
+        return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, *self.catalog_args),
+                           role="detokenizer")
+
+    def start_worker(self, group: str, rank: int = 0, tp=None, extra=None):
+        return self._start(group, self._cmd(
+            "worker", "--scheduler", self.backend, "--pool", "--worker-id", group,
+            "--num-kv-blocks", str(self.num_kv_blocks), "--threads", str(self.threads), *self.worker_args,
+            *(extra or [])))
+
+    def pool(self) -> dict:
+        return self.stats()["pool"]
+
+    def wait_members(self, n: int, timeout: float = 120.0) -> dict:
+        return self.wait_for(lambda p: len(p["members"]) >= n, timeout, f"{n} pool members")
+
+    def wait_for(self, cond, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.pool()
+                if cond(last):
+                    return last
+            except Exception:  # noqa: BLE001 - the scheduler may still be starting
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"no {what} in {timeout}s; last pool {last}\n{self.logs()}")

@@ -36,6 +36,9 @@ pytestmark = pytest.mark.timeout(60)
 
 WAIT = 5.0  # seconds; generous, never reached when things work
 
+TINY_CARD = [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": "", "state": "loaded", "reason": "",
+              "pinned": False, "waiting": 0}]  # the fake scheduler's one ModelCard, as models() gives it
+
 
 # ================================================================================================
 # Test double: a scripted scheduler client port
@@ -567,7 +570,7 @@ async def test_health_stats_models(peers):
         assert h["ok"] is True and h["scheduler_id"] == "sched-test"
         assert h["protocol_version"] == P.PROTOCOL_VERSION and h["latency_ms"] >= 0
         assert await c.stats() == peer.stats
-        assert await c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": ""}]
+        assert await c.models() == TINY_CARD
         hs = await asyncio.gather(*(c.health() for _ in range(5)))
         assert all(x["ok"] for x in hs)
 
@@ -621,7 +624,7 @@ def test_sync_client_generate_stream_and_errors(peers):
         assert [o.token_ids for o in res.outputs] == [[5, 6, 8], [7, 9, 10, 11]]
         deltas = list(c.stream("hello", {"n": 2, "logprobs": 2}))
         assert [d.text for d in deltas] == ["ab", "c", "d", "ef", "g"] and deltas[-1].finish_reason == "stop"
-        assert c.health()["ok"] and c.stats() == peer.stats and c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": ""}]
+        assert c.health()["ok"] and c.stats() == peer.stats and c.models() == TINY_CARD
         # leaving a stream early aborts it
         peer.script = lambda m: [[out(m.request_id, [1], "a")]]
         for d in c.stream("x", request_id="sb"):

@@ -45,6 +45,7 @@ GPU_FILE = COMPOSE / "docker-compose.gpu.yml"
 TP_FILE = COMPOSE / "docker-compose.tp.yml"
 TP_GPU_FILE = COMPOSE / "docker-compose.tp-gpu.yml"
 MONITORING_FILE = COMPOSE / "docker-compose.monitoring.yml"
+POOL_FILE = COMPOSE / "docker-compose.pool.yml"
 SCALE = 2
 DEFAULT_SERVICES = {"model-init", "scheduler", "detokenizer", "worker", "gateway"}
 LONG_RUNNING = {"scheduler", "detokenizer", "worker", "gateway"}
@@ -365,6 +366,53 @@ def test_every_variable_has_a_default_and_is_documented():
         assert example[name] == default, f"{name}: .env.example says {example[name]!r}, compose {default!r}"
     # docker-compose.model.yml's one required variable (no default: the host folder of your model)
     assert "# ZEROSERVE_MODELS_DIR=" in (COMPOSE / ".env.example").read_text()
+
+
+def test_pool_override_makes_the_folder_a_catalog_and_the_workers_pool_members(tmp_path):
+    """docker-compose.pool.yml over the base file: scheduler, detokenizer and model-init read the
+    models folder as a catalog (no single model), workers join as pool members, the worker's
+    healthcheck counts a pool member, and its variables have the documented defaults; model-init's
+    command checks every model of the folder (a broken one reported, not fatal)."""
+    from unittest import mock
+
+    from zeroserve.common.config import DetokenizerArgs, SchedulerConfig, WorkerArgs, from_cli_args
+    from zeroserve.services.cli import build_parser
+
+    base, pool = load(BASE_FILE, {}), load(POOL_FILE, {})
+    example = (COMPOSE / ".env.example").read_text()
+    for name, default in variables(pool).items():
+        assert default is not None and f"\n{name}={default}\n" in example, name
+
+    def parsed(name: str, extra: dict[str, str] | None = None):
+        env = {**env_map(base["services"][name].get("environment")),
+               **env_map(pool["services"][name].get("environment")), **(extra or {})}
+        with mock.patch.dict(os.environ, env, clear=True):
+            return build_parser().parse_args(base["services"][name]["command"])
+
+    sched = from_cli_args(SchedulerConfig, parsed("scheduler"))
+    assert (sched.models_dir, sched.models, sched.keep_alive) == ("/models", [], "5m")
+    detok = from_cli_args(DetokenizerArgs, parsed("detokenizer", {"ZEROSERVE_SCHEDULER": "tcp://scheduler:7001"}))
+    assert (detok.models_dir, detok.models) == ("/models", [])
+    wns = parsed("worker")
+    assert from_cli_args(WorkerArgs, wns).pool and wns.model is None
+    assert "pool" in "".join(pool["services"]["worker"]["healthcheck"]["test"])
+    assert parsed("gateway").model in (None, [])
+    # model-init: `prepare-model` with ZEROSERVE_MODELS_DIR checks the folder's models
+    from tests.helpers import cached_model_dir
+
+    shutil.copytree(cached_model_dir("llama"), tmp_path / "tiny")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 12)
+    env = {**env_map(pool["services"]["model-init"]["environment"]), "ZEROSERVE_MODELS_DIR": str(tmp_path),
+           "PYTHONPATH": str(REPO), "HOME": str(tmp_path), "PATH": os.environ["PATH"]}
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.cli", *base["services"]["model-init"]["command"]],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "model ready:" in r.stdout and "'tiny'" in r.stdout and "model 'broken': FAILED" in r.stdout, r.stdout
+    (tmp_path / "empty").mkdir()
+    env["ZEROSERVE_MODELS_DIR"] = str(tmp_path / "empty")
+    r = subprocess.run([sys.executable, "-m", "zeroserve.services.cli", "prepare-model"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "holds no model" in r.stderr, r.stdout + r.stderr
 
 
 def test_dockerfile():

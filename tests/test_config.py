@@ -195,3 +195,30 @@ def test_up_passes_the_gateway_its_nice_value():
     assert (got.nice, got.port) == (4, 8100)
     assert from_cli_args(GatewayArgs, build_parser().parse_args(
         plan_children(build_parser().parse_args(["up"]), "/m", gateway=True)[-1].argv[3:])).nice == 0
+
+
+def test_up_with_a_catalog_starts_pool_workers(tmp_path):
+    """`up --models-dir DIR`: the scheduler and the detokenizer get the catalog and no --model,
+    every worker is a pool member (--pool, no model, no group); --model or --tp with it is refused."""
+    from zeroserve.common.errors import InvalidRequest
+    from zeroserve.services.launcher import main as up_main
+    from zeroserve.services.launcher import plan_children
+
+    up = build_parser().parse_args(["up", "--workers", "2", "--models-dir", str(tmp_path), "--keep-alive", "30s"])
+    children = plan_children(up, "")
+    sched = from_cli_args(SchedulerConfig, build_parser().parse_args(children[0].argv[3:]))
+    assert (sched.models, sched.models_dir, sched.keep_alive) == ([], str(tmp_path.resolve()), "30s")
+    detok = from_cli_args(DetokenizerArgs, build_parser().parse_args(children[1].argv[3:]))
+    assert (detok.models, detok.models_dir) == ([], str(tmp_path.resolve()))
+    for i, c in enumerate(children[2:]):
+        ns = build_parser().parse_args(c.argv[3:])
+        w, e = from_cli_args(WorkerArgs, ns), from_cli_args(EngineArgs, ns)
+        assert (w.pool, w.group, w.worker_id, e.model) == (True, None, f"g{i}-r0", None)
+    from zeroserve.common.config import GatewayArgs
+
+    gw = plan_children(up, "", gateway=True)[-1]
+    got = from_cli_args(GatewayArgs, build_parser().parse_args(gw.argv[3:]))
+    assert (got.models, got.models_dir) == ([], str(tmp_path.resolve()))  # its tokenizers: the catalog's
+    for extra in (["--model", str(tmp_path)], ["--tp", "2"]):
+        with pytest.raises(InvalidRequest, match="pool members"):
+            up_main(build_parser().parse_args(["up", "--models-dir", str(tmp_path), *extra]))

@@ -94,7 +94,8 @@ def sample_messages() -> dict[type, list]:
         M.StatsRequest: [M.StatsRequest()],
         M.StatsReply: [M.StatsReply(stats={"running": 3, "groups": {"g0": {"kv_free": 0.5}}, "ids": [1, "a", None, True]})],
         M.ModelsRequest: [M.ModelsRequest()],
-        M.ModelsReply: [M.ModelsReply(models=[M.ModelCard(id="tiny", max_model_len=256, groups=2), M.ModelCard(id="b")]),
+        M.ModelsReply: [M.ModelsReply(models=[M.ModelCard(id="tiny", max_model_len=256, groups=2), M.ModelCard(id="b"),
+                                              M.ModelCard(id="c", state="failed", reason="bad file", waiting=3)]),
                         M.ModelsReply()],
         M.MetricsRequest: [M.MetricsRequest()],
         M.MetricsReply: [M.MetricsReply(text='# TYPE zeroserve:num_requests_running gauge\nzeroserve:num_requests_running{model_name="tiny"} 2.0\n'),
@@ -128,6 +129,7 @@ def sample_messages() -> dict[type, list]:
                 kept=[M.KeptSeq(token_ids=arr(range(40)), block_ids=arr([7, 3, 9]))],
             ),
             M.Hello(role="detokenizer", worker_id="detok-1"),
+            M.Hello(role="worker", worker_id="p0", pool=True, memory_budget_bytes=2 << 30),
         ],
         M.Welcome: [
             M.Welcome(
@@ -163,6 +165,14 @@ def sample_messages() -> dict[type, list]:
         M.Drain: [M.Drain(worker_id="w0")],
         M.Goodbye: [M.Goodbye(worker_id="w0", reason="SIGTERM")],
         M.Shutdown: [M.Shutdown(reason="zeroserve down")],
+        M.Load: [M.Load(load_id="l-1", model="tiny", path="/models/tiny.gguf")],
+        M.Unload: [M.Unload(load_id="l-1", reason="idle for 300s (keep_alive)"), M.Unload(load_id="l-2")],
+        M.LoadStatus: [
+            M.LoadStatus(worker_id="w0", load_id="l-1", phase="loaded", model="tiny", elapsed_s=1.5,
+                         memory=M.ShardMemory(rss_bytes=3 << 30, param_bytes=1 << 30, kv_bytes=1 << 29)),
+            M.LoadStatus(worker_id="w0", load_id="l-1", phase="failed", error="truncated safetensors"),
+        ],
+        M.ModelsControl: [M.ModelsControl(action="load", model="tiny"), M.ModelsControl(action="unload", model="x")],
         M.DetokNew: [
             M.DetokNew(
                 items=[
@@ -1470,3 +1480,19 @@ def test_step_with_256_requests_encodes_fast():
     assert _best_of(lambda: C.decode(C.encode(step))) < 2e-3
     assert _best_of(lambda: C.decode(C.encode(res))) < 2e-3
     assert _best_of(lambda: C.decode(C.encode(outs))) < 5e-3
+
+
+def test_pool_messages_refuse_what_their_fields_cannot_say():
+    with pytest.raises(ValueError, match="says why"):
+        M.LoadStatus(worker_id="w0", load_id="l", phase="failed")
+    with pytest.raises(ValueError, match="one shard"):
+        M.Hello(role="worker", worker_id="p", pool=True, tp_size=2)
+    good = ["w0", "l", "loading", "tiny", "", 1.0]  # LoadStatus's fields in order (memory left out)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(good), type=M.LoadStatus).elapsed_s == 1.0
+    for field, bad in ((2, "half"), (5, -1.0), (1, "")):
+        raw = list(good)
+        raw[field] = bad
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=M.LoadStatus)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(["reload", "tiny"]), type=M.ModelsControl)

@@ -495,8 +495,20 @@ class AsyncClient(LivenessMixin):
         return (await self._ask(P.StatsRequest(), P.StatsReply)).stats
 
     async def models(self) -> list[dict]:
-        """The served models: [{"id", "max_model_len", "groups", "tool_call_parser"}, ...]."""
+        """Every model, with the pool's view: [{"id", "max_model_len", "groups", "tool_call_parser",
+        "state" (available | loading | loaded | unloading | failed), "reason", "pinned", "waiting"}, ...]."""
         return [msgspec.structs.asdict(m) for m in (await self._ask(P.ModelsRequest(), P.ModelsReply)).models]
+
+    async def load_model(self, model: str) -> list[dict]:
+        """Ask the model pool to load a catalog model (it loads in the background, clearing a
+        failed state); returns models() as the scheduler sees them right after."""
+        return [msgspec.structs.asdict(m) for m in
+                (await self._ask(P.ModelsControl(action="load", model=model), P.ModelsReply)).models]
+
+    async def unload_model(self, model: str) -> list[dict]:
+        """Ask the model pool to unload a catalog model (each copy once it has no requests)."""
+        return [msgspec.structs.asdict(m) for m in
+                (await self._ask(P.ModelsControl(action="unload", model=model), P.ModelsReply)).models]
 
     async def metrics(self) -> str:
         """The scheduler's Prometheus metrics, in the text exposition format."""

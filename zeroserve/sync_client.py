@@ -156,6 +156,12 @@ class Client:
     def models(self) -> list[dict]:
         return self._call(self._ac.models())
 
+    def load_model(self, model: str) -> list[dict]:
+        return self._call(self._ac.load_model(model))
+
+    def unload_model(self, model: str) -> list[dict]:
+        return self._call(self._ac.unload_model(model))
+
     def metrics(self) -> str:
         """The scheduler's Prometheus metrics (text exposition format)."""
         return self._call(self._ac.metrics())

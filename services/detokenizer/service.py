@@ -18,6 +18,7 @@ import uuid
 import zmq
 
 from zeroserve.common import messages as P
+from zeroserve.common.catalog import CatalogEntry, load_catalog
 from zeroserve.common.codec import ProtocolError
 from zeroserve.common.config import DetokenizerArgs, from_cli_args
 from zeroserve.common.curve import curve_client_keys
@@ -34,12 +35,12 @@ log = get_logger("detokenizer")
 class DetokenizerService:
     def __init__(self, scheduler_addr: str, model_dirs: list[str], worker_id: str | None = None,
                  heartbeat_interval_s: float = 1.0, curve_keys: str | None = None,
-                 curve_client: str | None = None) -> None:
+                 curve_client: str | None = None, catalog: dict[str, CatalogEntry] | None = None) -> None:
         self.scheduler_addr = scheduler_addr
         self.curve = curve_client_keys(curve_keys, curve_client, role="detokenizer")  # None: a plain connection
         self.worker_id = worker_id or f"detok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         # no transformers import: tokenizers alone (common/tokenizer.py)
-        self.state = Detokenizer({ModelConfig.from_dir(d).name: load_tokenizer(d) for d in model_dirs})
+        self.state = Detokenizer({ModelConfig.from_dir(d).name: load_tokenizer(d) for d in model_dirs}, catalog)
         self.hb_interval = heartbeat_interval_s
         self.stop = threading.Event()
 
@@ -105,9 +106,10 @@ class DetokenizerService:
 def main(args) -> int:
     setup_logging(service="detokenizer")
     dargs = from_cli_args(DetokenizerArgs, args)
+    catalog = load_catalog(dargs.models_dir, dargs.models_config)
     svc = DetokenizerService(dargs.scheduler, dargs.models, worker_id=dargs.worker_id,
                              heartbeat_interval_s=dargs.heartbeat_interval_s, curve_keys=dargs.curve_keys,
-                             curve_client=dargs.curve_client)
+                             curve_client=dargs.curve_client, catalog=catalog)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop.set())
     signal.signal(signal.SIGINT, lambda *_: svc.stop.set())
     return svc.run()

@@ -9,18 +9,26 @@ in-process engine (services/engine.py) calls it directly: both deliver text the 
 from __future__ import annotations
 
 from zeroserve.common import messages as P
+from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, BoundedCache, CatalogEntry
 from zeroserve.common.detokenize import IncrementalDetokenizer
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import get_logger
 from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.common.tokenizer import load_tokenizer
 
 log = get_logger("detokenizer")
 
 
 class Detokenizer:
-    def __init__(self, tokenizers: dict[str, object]) -> None:
+    def __init__(self, tokenizers: dict[str, object], catalog: dict[str, CatalogEntry] | None = None) -> None:
         self.tokenizers = tokenizers  # model name -> tokenizer
         self.default = next(iter(tokenizers), None)
+        # catalog models (the scheduler's model pool): a tokenizer loads on the model's first
+        # request, on this loop (tens of ms), and the MAX_CATALOG_TOKENIZERS latest stay
+        self.catalog = {n: e.path for n, e in (catalog or {}).items() if e.config is not None}
+        self.catalog_tokenizers = BoundedCache(lambda name: load_tokenizer(self.catalog[name]), MAX_CATALOG_TOKENIZERS)
+        if self.default is None and self.catalog:
+            self.default = next(iter(self.catalog))
         self.states: dict[str, IncrementalDetokenizer] = {}
         self.skip: dict[str, int] = {}  # replayed requests: chars the client already has
         self.owed: dict[str, str] = {}  # replayed requests: text released but never delivered
@@ -28,6 +36,8 @@ class Detokenizer:
     def _tokenizer(self, params: SamplingParams):
         name = params.model or self.default
         tok = self.tokenizers.get(name)
+        if tok is None and name in self.catalog:
+            tok = self.catalog_tokenizers.get(name)
         if tok is None:
             raise InvalidRequest(f"the detokenizer has no tokenizer for model {name!r}; start it with --model")
         return tok

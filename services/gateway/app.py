@@ -32,6 +32,7 @@ from prometheus_client import (
 
 disable_created_metrics()
 
+from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, load_catalog
 from zeroserve.common.config import GatewayArgs
 from zeroserve.common.errors import InvalidRequest, ZeroserveError
 from zeroserve.common.log import get_logger
@@ -45,7 +46,7 @@ from zeroserve.services.gateway.errors import (
     api_error,
     validation_error,
 )
-from zeroserve.services.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from zeroserve.services.gateway.protocol import DetokenizeRequest, ModelControlRequest, TokenizeRequest
 
 log = get_logger("gateway")
 
@@ -135,6 +136,8 @@ class Gateway:
         self._models_fut: asyncio.Future | None = None
         self._tokenizers: dict[str, Any] = {}
         self._tok_dirs: dict[str, str] | None = None
+        self._catalog_names: set[str] = set()  # the model pool's models (their tokenizers are bounded)
+        self._catalog_loaded: list[str] = []  # those loaded, oldest first
         self._tok_lock = asyncio.Lock()
         self.registry = CollectorRegistry()
         self.http_requests = Counter("zeroserve:gateway_http_requests", "HTTP requests this gateway answered.",
@@ -219,7 +222,7 @@ class Gateway:
             if model in self._tokenizers:
                 return self._tokenizers[model]
             tok = None
-            if self.cfg.models:
+            if self.cfg.models or self.cfg.models_dir or self.cfg.models_config:
                 dirs = await asyncio.to_thread(self._model_dirs)
                 d = dirs.get(model) or (self.cfg.models[0] if len(self.cfg.models) == 1 else None)
                 if d is not None:
@@ -228,11 +231,16 @@ class Gateway:
                     tok = await asyncio.to_thread(load_tokenizer, d)
             if tok is None and required:
                 raise APIError(400, f"this gateway has no tokenizer for model {model!r}; start it with --model DIR "
-                                    "(the served model's directory or .gguf file)", "BadRequestError",
-                               "no_tokenizer")
+                                    "(the served model's directory or .gguf file) or the cluster's --models-dir / "
+                                    "--models-config", "BadRequestError", "no_tokenizer")
             if tok is not None:
                 self._tokenizers[model] = tok
-                freeze_startup_heap()  # a tokenizer is ~10^5 objects that live as long as we do
+                if model in self._catalog_names:  # a catalog's: only the latest few stay (it may hold hundreds)
+                    self._catalog_loaded.append(model)
+                    while len(self._catalog_loaded) > MAX_CATALOG_TOKENIZERS:
+                        self._tokenizers.pop(self._catalog_loaded.pop(0), None)
+                else:
+                    freeze_startup_heap()  # a tokenizer is ~10^5 objects that live as long as we do
             return tok
 
     def _model_dirs(self) -> dict[str, str]:
@@ -245,6 +253,10 @@ class Gateway:
                     out[ModelConfig.from_dir(d).name] = d
                 except Exception as e:  # noqa: BLE001 - a bad directory: say so, use the others
                     log.warning("cannot read model directory", model=d, error=str(e))
+            if self.cfg.models_dir or self.cfg.models_config:  # the model pool's, named as the scheduler names them
+                catalog = load_catalog(self.cfg.models_dir, self.cfg.models_config)
+                self._catalog_names = {n for n, e in catalog.items() if e.config is not None and n not in out}
+                out.update((n, catalog[n].path) for n in self._catalog_names)
             self._tok_dirs = out
         return self._tok_dirs
 
@@ -291,9 +303,11 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         except ZeroserveError as e:
             return JSONResponse({"status": "unavailable", "detail": str(e)}, status_code=503)
         ready = sum(1 for g in s.get("groups", []) if g.get("state") == "ready")
-        body = {"status": "ok" if ready else "no worker group ready", "groups_ready": ready,
-                "detokenizer": bool(s.get("detokenizer", {}).get("connected"))}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        # a model pool serves with no model loaded: its members load one on the first request
+        members = len(s.get("pool", {}).get("members", []))
+        body = {"status": "ok" if ready or members else "no worker group ready", "groups_ready": ready,
+                "pool_members": members, "detokenizer": bool(s.get("detokenizer", {}).get("connected"))}
+        return JSONResponse(body, status_code=200 if ready or members else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -306,12 +320,28 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         return PlainTextResponse(text + generate_latest(gw.registry).decode(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def list_models():
-        models = await gw.models(refresh=True)
+    def model_list(models: list[dict]) -> dict:
+        # OpenAI's fields, then the pool's: state (available | loading | loaded | unloading | failed),
+        # the failure's reason, pinned, and the requests waiting for a load
         return {"object": "list", "data": [
             {"id": m["id"], "object": "model", "created": _now(), "owned_by": "zeroserve", "root": m["id"],
-             "max_model_len": m.get("max_model_len"), "groups": m.get("groups")} for m in models]}
+             "max_model_len": m.get("max_model_len"), "groups": m.get("groups"), "state": m.get("state"),
+             "reason": m.get("reason") or None, "pinned": m.get("pinned"), "waiting": m.get("waiting")}
+            for m in models]}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return model_list(await gw.models(refresh=True))
+
+    @app.post("/v1/models/load")
+    async def load_model(req: ModelControlRequest):
+        """Load a catalog model on a pool member (in the background: poll /v1/models)."""
+        return model_list(await gw.client.load_model(req.model))
+
+    @app.post("/v1/models/unload")
+    async def unload_model(req: ModelControlRequest):
+        """Unload a catalog model (each copy as soon as it has no requests)."""
+        return model_list(await gw.client.unload_model(req.model))
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from zeroserve.common.catalog import FOREVER, parse_keep_alive
+
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import LogBudget, get_logger
 from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
@@ -64,6 +66,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    keep_alive: str | float | None = None  # the model pool: Ollama's keep_alive ("5m", seconds, -1)
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -144,6 +147,9 @@ class _Sampling(BaseModel):
                               "include_stop_str_in_output": self.include_stop_str_in_output,
                               "skip_special_tokens": self.skip_special_tokens, "model": self.model or None,
                               "structured_outputs": self.constraint()}
+        if self.keep_alive is not None:
+            ka = parse_keep_alive(self.keep_alive)
+            kw["keep_alive"] = -1.0 if ka == FOREVER else ka
         self.warn_ignored()
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
@@ -263,6 +269,14 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True
+
+
+class ModelControlRequest(BaseModel):
+    """POST /v1/models/load and /v1/models/unload (llama.cpp's router mode and Ollama name it so)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
 
 
 class DetokenizeRequest(BaseModel):

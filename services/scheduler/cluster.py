@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -24,7 +25,7 @@ import msgspec
 
 from zeroserve.common import messages as P
 from zeroserve.common.codec import check_version
-from zeroserve.common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
+from zeroserve.common.errors import InvalidRequest, ModelLoadError, Overloaded, RequestTimeout, ZeroserveError
 from zeroserve.common.log import LogBudget, get_logger
 from zeroserve.common.prompts import check_prompt_ids, check_text_size, split_prompt
 from zeroserve.common.sampling_params import SamplingParams, with_model_defaults
@@ -35,9 +36,11 @@ from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult,
 from zeroserve.services.scheduler.metrics import SchedulerMetrics
 from zeroserve.services.scheduler.models import ModelInfo
 from zeroserve.services.scheduler.outbox import Outbox
+from zeroserve.services.scheduler.pool import Pool
 from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
+    from zeroserve.common.catalog import CatalogEntry
     from zeroserve.common.config import SchedulerConfig
 
 log = get_logger("scheduler")
@@ -53,7 +56,8 @@ class Rate(NamedTuple):
 
 class Cluster:
     def __init__(self, cfg: SchedulerConfig, models: dict[str, ModelInfo], scheduler_id: str, step_addr: str = "",
-                 addresses: dict[str, str] | None = None, now: float = 0.0) -> None:
+                 addresses: dict[str, str] | None = None, now: float = 0.0,
+                 catalog: dict[str, CatalogEntry] | None = None) -> None:
         self.cfg = cfg
         self.models = models
         self.default_model = next(iter(models), None)
@@ -61,6 +65,7 @@ class Cluster:
         self.addresses = addresses or {}
         self.started = now
         self.groups = Groups(cfg, models, scheduler_id, step_addr)
+        self.pool = Pool(cfg, catalog or {}, self.groups, scheduler_id)  # models loaded on demand
         self.delivery = Delivery(scheduler_id)
         self.live: dict[str, Live] = {}  # key -> Live
         self.by_client: dict[tuple[bytes, str], str] = {}  # (client, request_id) -> key
@@ -83,12 +88,13 @@ class Cluster:
     def client_handlers(self) -> dict[type, Handler]:
         return {P.Submit: self.on_submit, P.Reattach: self.on_reattach, P.Abort: self.on_abort, P.Ping: self.on_ping,
                 P.StatsRequest: self.on_stats_request, P.ModelsRequest: self.on_models_request,
-                P.MetricsRequest: self.on_metrics_request}
+                P.MetricsRequest: self.on_metrics_request, P.ModelsControl: self.on_models_control}
 
     def backend_handlers(self) -> dict[type, Handler]:
         return {P.Hello: self.on_hello, P.Error: self.on_peer_error, P.DetokOutputs: self.on_detok_outputs,
                 P.StepResult: self.on_step_result, P.Heartbeat: self.on_heartbeat, P.ProbeAck: self.on_probe_ack,
-                P.Drain: self.on_drain, P.Goodbye: self.on_goodbye, P.WorkerError: self.on_worker_error}
+                P.Drain: self.on_drain, P.Goodbye: self.on_goodbye, P.WorkerError: self.on_worker_error,
+                P.LoadStatus: self.on_load_status}
 
     # ================================================================ clients
     def on_submit(self, ident: bytes, m: P.Submit, now: float, resume: dict | None = None) -> Outbox:
@@ -102,15 +108,24 @@ class Cluster:
             check_text_size(sum(len(x.content.encode("utf-8", "surrogatepass")) for x in m.messages),
                             "the conversation's text")
         model = m.params.model or self.default_model
+        why = self.pool.refusal(model)
+        if why:
+            raise ModelLoadError(why)
         if model not in self.models:
             served = sorted(self.models)
             raise InvalidRequest(f"model {model!r} is not served by this cluster; served models: {served}"
-                                 if served else "this scheduler serves no model; start it with --model DIR")
+                                 if served else "this scheduler serves no model; start it with --model DIR "
+                                                "or --models-dir DIR")
+        if model in self.pool.catalog and not self.groups.ready(model) and sum(
+                live.model == model for live in self.pending) >= self.cfg.max_waiting_per_model:
+            raise Overloaded(f"{self.cfg.max_waiting_per_model} requests already wait for model {model!r} to "
+                             "load (max_waiting_per_model); retry later")
         if len(self.live) >= self.cfg.max_queue_len:
             self.metrics.refused()
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
         params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)
+        self.pool.requested(model, params.keep_alive)
         pooling = None
         if m.kind == "embed":  # a prefill whose answer is a vector: its own params, the model's pooling
             params, pooling = SamplingParams(max_tokens=1, model=model), m.pooling or self.models[model].pooling
@@ -185,11 +200,30 @@ class Cluster:
     def on_models_request(self, ident: bytes, m: P.ModelsRequest, now: float) -> Outbox:
         self.client_seen[ident] = now
         ob = Outbox()
-        ob.to_client(ident, P.ModelsReply(models=[
-            P.ModelCard(id=name, max_model_len=self.groups.max_model_len(name), groups=len(self.groups.ready(name)),
-                        tool_call_parser=info.tool_call_parser)
-            for name, info in self.models.items()]))
+        ob.to_client(ident, self._models_reply())
         return ob
+
+    def on_models_control(self, ident: bytes, m: P.ModelsControl, now: float) -> Outbox:
+        self.client_seen[ident] = now
+        ob = Outbox()
+        self._requeue(self.pool.control(m, now, ob), ob)
+        self._requeue(self.pool.plan(now, [live.model for live in self.pending], ob), ob)
+        ob.to_client(ident, self._models_reply())
+        return ob
+
+    def _models_reply(self) -> P.ModelsReply:
+        """Every model: those given with --model, then the catalog's (with the pool's state)."""
+        waiting = Counter(live.model for live in self.pending)
+        cards = []
+        for name in dict.fromkeys([*self.models, *self.pool.catalog]):
+            info, entry = self.models.get(name), self.pool.catalog.get(name)
+            groups = len(self.groups.ready(name))
+            state, reason = self.pool.state(name) if entry else ("loaded" if groups else "available", "")
+            cards.append(P.ModelCard(
+                id=name, max_model_len=self.groups.max_model_len(name) if info else 0, groups=groups,
+                tool_call_parser=info.tool_call_parser if info else "", state=state, reason=reason[:4096],
+                pinned=bool(entry and entry.pinned), waiting=waiting.get(name, 0)))
+        return P.ModelsReply(models=cards)
 
     # ================================================================ requests
     def _admit(self, live: Live, ids: list[int], grammar: object = None) -> None:
@@ -289,8 +323,21 @@ class Cluster:
         elif h.role == "detokenizer":
             self.delivery.joined(ident, h, now, list(self.live.values()), ob)
         else:
-            self._requeue(self.groups.hello(ident, h, now, ob), ob)
+            handled, orphans = self.pool.on_hello(ident, h, now, ob) if h.pool else (False, [])
+            self._requeue(orphans if handled else orphans + self.groups.hello(ident, h, now, ob), ob)
+            self._fail_unloadable(ob)  # a member's model in another numeric mode failed its load
         return ob
+
+    def on_load_status(self, ident: bytes, m: P.LoadStatus, now: float) -> Outbox:
+        ob = Outbox()
+        self.pool.on_load_status(ident, m, now)
+        self._fail_unloadable(ob)
+        return ob
+
+    def _fail_unloadable(self, ob: Outbox) -> None:
+        """Waiting requests for a model the pool marked failed end; every other model's go on."""
+        for live in [x for x in self.pending if self.pool.refusal(x.model)]:
+            self._fail(live, ModelLoadError(self.pool.refusal(live.model)), ob)
 
     def on_peer_error(self, ident: bytes, m: P.Error, now: float) -> Outbox:
         if _PEER_ERROR_LOG.allow(now):
@@ -324,6 +371,8 @@ class Cluster:
 
     def on_heartbeat(self, ident: bytes, m: P.Heartbeat, now: float) -> Outbox:
         ob = Outbox()
+        if self.pool.on_heartbeat(ident, m, now):  # a pool member outside any group
+            return ob
         src = self._from_worker(ident, m, now, ob)
         if src is not None:
             src[1].stats = m.stats
@@ -345,6 +394,8 @@ class Cluster:
 
     def on_goodbye(self, ident: bytes, m: P.Goodbye, now: float) -> Outbox:
         ob = Outbox()
+        if self.pool.on_goodbye(ident, m.worker_id):
+            return ob
         src = self._from_worker(ident, m, now, ob)
         if src is not None:
             self._requeue(self.groups.gone(src[0], f"worker {m.worker_id} left: {m.reason}", ob), ob)
@@ -398,6 +449,9 @@ class Cluster:
             return ob
         self.last_checks = now
         self._requeue(self.groups.check(now, ob), ob)
+        self._requeue(self.pool.check(now, ob), ob)
+        self._requeue(self.pool.plan(now, [live.model for live in self.pending], ob), ob)
+        self._fail_unloadable(ob)
         self.metrics.refresh(self, now)
         self.delivery.check(now, self.cfg.heartbeat_timeout_s)
         for ident, h in reversed(list(self.delivery.waiting.items())):  # the live one went silent: the newest takes over
@@ -450,6 +504,7 @@ class Cluster:
             "detokenizer": {"connected": self.delivery.detok is not None,
                             "worker_id": self.delivery.detok.worker_id if self.delivery.detok else None},
             "metrics": self.metrics.summary(),  # key figures of services/scheduler/metrics.py
+            "pool": self.pool.stats(now, Counter(live.model for live in self.pending)),
         }
 
 

@@ -204,7 +204,7 @@ class Groups:
         g = self.groups.get(name)
         # the mode after the checks that name a more specific mistake (a taken rank), but before
         # a new group exists: a refused shard leaves nothing behind
-        other_mode = self._other_mode(h)
+        other_mode = self.other_mode(h)
         if other_mode and (g is None or g.state == GroupState.GONE):
             self.refuse(ident, other_mode, ob, h.worker_id)
             return orphans
@@ -247,7 +247,7 @@ class Groups:
                     f"{MAX_KV_BYTES >> 40} TiB of KV cache; report the real capacity")
         return None
 
-    def _other_mode(self, h: P.Hello) -> str | None:
+    def other_mode(self, h: P.Hello) -> str | None:
         """Why a shard's numeric mode may not serve its model here (None: it may)."""
         have = self.model_modes.get(h.model)
         if have is None or have == h.numeric_mode:
@@ -402,7 +402,10 @@ class Groups:
         """A group died or left; returns its unfinished requests, which keep their tokens."""
         if g.state == GroupState.GONE:
             return []
-        log.warning("group gone; requeueing its requests", group=g.name, reason=reason)
+        if reason.startswith(P.UNLOAD_SHUTDOWN):  # the model pool let its model go (idle: nothing to requeue)
+            log.info("group unloaded", group=g.name, model=g.model, reason=reason)
+        else:
+            log.warning("group gone; requeueing its requests", group=g.name, reason=reason)
         prev = g.state
         g.state = GroupState.GONE
         reqs = g.policy.drain_all() if g.policy is not None else []

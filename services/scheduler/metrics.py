@@ -144,6 +144,17 @@ class SchedulerMetrics:
         self.group_steps = counter("group_steps", "Steps a worker group completed.", [*MODEL, "group"])
         self.group_steps_rate = gauge("group_steps_per_second", "Steps per second of one worker group (over the "
                                                                 "last seconds).", [*MODEL, "group"])
+        # the model pool (services/scheduler/pool.py keeps the counts; refresh exports them)
+        self.model_loads = counter("model_loads", "Catalog model loads a pool member finished.")
+        self.model_load_seconds = counter("model_load_seconds", "Seconds pool members spent loading models (with "
+                                                                "model_loads: the mean load time).")
+        self.model_load_failures = counter("model_load_failures", "Catalog model loads that failed.")
+        self.model_evictions = counter("model_evictions", "Models unloaded to make room for another one.")
+        self.model_unloads = counter("model_unloads", "Models unloaded, by why (evicted, keep_alive, asked, timeout, "
+                                     "numeric_mode).",
+                                     [*MODEL, "reason"])
+        self.pool_members = Gauge(p + "pool_members", "Model-pool members by state.", ["state"], registry=r)
+        self._pool_seen: dict[tuple, float] = {}
         for m in models:  # every series of a served model exists from the start (at 0)
             for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
                            self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
@@ -300,6 +311,7 @@ class SchedulerMetrics:
             self.kv_usage.labels(m).set(used.get(m, 0) / total[m] if total.get(m) else 0.0)
         for (m, st), n in states.items():
             self.groups.labels(m, st).set(n)
+        self._pool(cluster.pool)
         for m, name in self._group_labels - labels:
             for metric in (self.group_kv, self.group_steps_rate):
                 try:
@@ -308,6 +320,24 @@ class SchedulerMetrics:
                     pass
             self._seen.pop(name, None)
         self._group_labels = labels
+
+    def _pool(self, pool: Any) -> None:
+        """The pool's counters since the last refresh, and its members by state."""
+        for name, counts, ctr in (("loads", pool.loads, self.model_loads),
+                                  ("seconds", pool.load_seconds, self.model_load_seconds),
+                                  ("failures", pool.load_failures, self.model_load_failures),
+                                  ("evictions", pool.evictions, self.model_evictions),
+                                  ("unloads", pool.unloads, self.model_unloads)):
+            for key, cur in counts.items():
+                prev = self._pool_seen.get((name, key), 0)
+                if cur > prev:
+                    ctr.labels(*(key if isinstance(key, tuple) else (key,))).inc(cur - prev)
+                    self._pool_seen[(name, key)] = cur
+        states = dict.fromkeys(("idle", "loading", "serving", "unloading"), 0)
+        for m in pool.members.values():
+            states[m.state.value] += 1
+        for st, n in states.items():
+            self.pool_members.labels(st).set(n)
 
     def _spec(self, model: str, spec: Any, seen: _GroupSeen) -> None:
         """The policy's speculative-decoding counters since the last refresh."""

@@ -4,10 +4,14 @@ process shell, or the in-process engine, tokenizes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zeroserve.common.embeddings import model_pooling
 from zeroserve.common.log import get_logger
 from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
+
+if TYPE_CHECKING:
+    from zeroserve.common.catalog import CatalogEntry
 
 log = get_logger("scheduler")
 
@@ -22,16 +26,21 @@ class ModelInfo:
     pooling: str = "last"  # embedding requests that name none (--pooling, common/embeddings.py)
 
 
-def load_models(dirs: list[str], generation_config: str = "auto", pooling: str = "auto") -> dict[str, ModelInfo]:
+def load_models(dirs: list[str], generation_config: str = "auto", pooling: str = "auto",
+                catalog: dict[str, CatalogEntry] | None = None) -> dict[str, ModelInfo]:
     """The served models' configs, sampling defaults and embedding pooling (cheap; a directory we
     cannot serve fails here, at start). Their tokenizers load in the background
     (`SchedulerService`): transformers takes seconds to import, and a restarted scheduler must
-    answer pings and HELLOs at once."""
+    answer pings and HELLOs at once. Catalog models whose config could be read come after them
+    (the others stay in the catalog, failed, with the reason)."""
+    named = [(mc.name, mc, d) for d, mc in ((d, ModelConfig.from_dir(d)) for d in dirs)]
+    named += [(e.name, e.config, e.path) for e in (catalog or {}).values() if e.config is not None]
     models = {}
-    for d in dirs:
-        mc = ModelConfig.from_dir(d)
+    for name, mc, path in named:
+        if name in models:  # a --model wins over a catalog entry of the same name
+            continue
         defaults = resolve_sampling_defaults(mc, generation_config)
         if defaults:  # vLLM says this too: a request's unset fields will not be SamplingParams' defaults
-            log.info("sampling defaults from the model's generation config", model=mc.name, **defaults)
-        models[mc.name] = ModelInfo(mc.name, mc, sampling_defaults=defaults, pooling=model_pooling(d, pooling))
+            log.info("sampling defaults from the model's generation config", model=name, **defaults)
+        models[name] = ModelInfo(name, mc, sampling_defaults=defaults, pooling=model_pooling(path, pooling))
     return models

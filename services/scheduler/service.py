@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from zeroserve.common import messages as P
+from zeroserve.common.catalog import MAX_CATALOG_TOKENIZERS, BoundedCache, load_catalog, parse_keep_alive
 from zeroserve.common.chat import load_chat_template
 from zeroserve.common.tool_parsers import PARSERS, parser_for_template
 from zeroserve.common.codec import ProtocolError, group_topic, v1_refusal
@@ -52,7 +53,10 @@ class SchedulerService:
             raise InvalidRequest(f"--tool-call-parser {cfg.tool_call_parser!r}: use auto or one of {sorted(PARSERS)}")
         self.id = uuid.uuid4().hex[:12]
         self.ctx = ctx or zmq.Context.instance()
-        models = load_models(cfg.models, cfg.generation_config, cfg.pooling)
+        catalog = load_catalog(cfg.models_dir, cfg.models_config, parse_keep_alive(cfg.keep_alive, "--keep-alive"))
+        if catalog:
+            log.info("model catalog", models={n: e.error or e.path for n, e in catalog.items()})
+        models = load_models(cfg.models, cfg.generation_config, cfg.pooling, catalog)
         self.addrs = addrs = cfg.addresses()
         # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
         # domain is its name): client keys on "client", worker and detokenizer keys on "backend"
@@ -98,16 +102,19 @@ class SchedulerService:
         for s in (self.client_sock, self.backend):
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails instead of vanishing
         step_addr = f"tcp://{cfg.advertise_host or cfg.host}:{cfg.port + 2}"
-        self.cluster = Cluster(cfg, models, self.id, step_addr, addrs, now=time.monotonic())
+        self.cluster = Cluster(cfg, models, self.id, step_addr, addrs, now=time.monotonic(), catalog=catalog)
         # tokenization off the loop: results come back through a queue, a PAIR socket wakes us
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        # tokenizers load first in the pool (FIFO): a prompt's job waits for its model's
-        self.tokenizers = {name: self.pool.submit(self._load_tokenizer, name, info.cfg.model_dir)
-                           for name, info in models.items()}
+        # tokenizers load first in the pool (FIFO): a prompt's job waits for its model's. Those
+        # of --model models load now and stay; a catalog model's on its first request, and only
+        # the MAX_CATALOG_TOKENIZERS most recently used stay (a catalog may hold hundreds)
+        fixed = frozenset(n for n in models if n not in catalog)
+        self.tokenizers = BoundedCache(self._start_tokenizer, MAX_CATALOG_TOKENIZERS, keep=fixed)
         # structured outputs: each model's compiler prepares its tokenizer on its first constraint
-        self.grammars = {name: GrammarCompiler(fut.result, models[name].cfg.vocab_size,
-                                               models[name].cfg.eos_token_ids)
-                         for name, fut in self.tokenizers.items()}
+        self.grammars = BoundedCache(lambda name: GrammarCompiler(self.tokenizers.get(name).result,
+                                                                  models[name].cfg.vocab_size,
+                                                                  models[name].cfg.eos_token_ids),
+                                     MAX_CATALOG_TOKENIZERS, keep=fixed)
         self.posted: queue.SimpleQueue = queue.SimpleQueue()  # pool -> loop: calls to run on the loop
         wake_addr = f"inproc://sched-wake-{self.id}"
         self.wake_rx = self.ctx.socket(zmq.PAIR)
@@ -115,8 +122,9 @@ class SchedulerService:
         self.wake_tx = self.ctx.socket(zmq.PAIR)
         self.wake_tx.connect(wake_addr)
         self.wake_lock = threading.Lock()
-        for name, fut in self.tokenizers.items():
-            fut.add_done_callback(lambda f, name=name: self._tokenizer_loaded(name, f))
+        for name in models:  # in --model order: the first model's tokenizer is the first ready
+            if name in fixed:
+                self.tokenizers.get(name)
         self.poller = zmq.Poller()
         for s in (self.client_sock, self.backend, self.wake_rx):
             self.poller.register(s, zmq.POLLIN)
@@ -243,6 +251,11 @@ class SchedulerService:
 
         self._post(record)
 
+    def _start_tokenizer(self, name: str):
+        fut = self.pool.submit(self._load_tokenizer, name, self.cluster.models[name].cfg.model_dir)
+        fut.add_done_callback(lambda f: self._tokenizer_loaded(name, f))
+        return fut
+
     @staticmethod
     def _load_tokenizer(name: str, model_dir: str):
         from zeroserve.common.tokenizer import load_tokenizer
@@ -257,9 +270,12 @@ class SchedulerService:
         return tok
 
     def _tokenize(self, job: TokenizeJob) -> None:
+        # the caches are the loop's: a catalog model's tokenizer (and compiler) start here
+        loading = self.tokenizers.get(job.model)
+        grammars = self.grammars.get(job.model) if job.constraint is not None else None
+
         def run():
-            _text, ids, grammar = job.run(self.tokenizers[job.model].result, self.chat_template,
-                                          self.grammars[job.model])
+            _text, ids, grammar = job.run(loading.result, self.chat_template, grammars)
             return ids, grammar
 
         self.pool.submit(run).add_done_callback(lambda f: self._tokenized(job.key, f))

@@ -97,7 +97,7 @@ class WorkerService:
         if self.tp_size > 1 and self.tp_rank == 0 and not self.dist_init_addr:
             self.dist_init_addr = f"tcp://{self.host}:{free_port()}"
         self.device = self._device()
-        self.model_cfg = ModelConfig.from_dir(args.model)
+        self.model_cfg = ModelConfig.from_dir(args.model) if args.model else None  # None: a pool member, empty
         self._dist_ready = False
         self.ctx = zmq.Context()
         self.drain_requested = threading.Event()  # SIGTERM: finish what runs, then leave
@@ -180,42 +180,50 @@ class WorkerService:
 
     # ------------------------------------------------------------------ serving
     def run(self) -> int:
+        self._load_first()
+        self.peer = BackendPeer(self.ctx, self.scheduler_addr, self.worker_id, role="worker", curve=self.curve,
+                                heartbeat_interval_s=self.hb_interval)
+        self.dealer, self.dealer_ch = self.peer.sock, self.peer.ch
+        self.peer.start_heartbeats(self._stats, stuck_exit=EXIT_RESYNC)
+        try:
+            return self._sessions()
+        except Refused as e:
+            return self._refused(e.detail)
+        except SystemExit as e:
+            return int(e.code or 0)
+        finally:
+            self.peer.close()
+            self.ctx.term()
+
+    def _load_first(self) -> None:
+        """The model, before the first HELLO (a pool member loads later: services/worker/pool.py)."""
         log.info("loading model", model=self.args.model, device=self.device, rank=self.tp_rank, tp=self.tp_size)
         self.runner = ModelRunner(self.args, self.model_cfg, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                   device=self.device)
         log.info("model loaded", kv_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
                  param_bytes=self.runner.param_bytes())
         freeze_startup_heap()
-        self.peer = BackendPeer(self.ctx, self.scheduler_addr, self.worker_id, role="worker", curve=self.curve,
-                                heartbeat_interval_s=self.hb_interval)
-        self.dealer, self.dealer_ch = self.peer.sock, self.peer.ch
-        self.peer.start_heartbeats(self._stats, stuck_exit=EXIT_RESYNC)
+
+    def _sessions(self) -> int:
+        """Join, serve, and join again after a rejoin; the exit code."""
         code = EXIT_OK
-        try:
-            while True:
-                welcome = self.peer.join(self._hello, self.drain_requested)
-                self.kept.clear()  # the scheduler has it, or we are leaving
-                if welcome is None:  # SIGTERM before we were welcomed, or our group was drained
+        while True:
+            welcome = self.peer.join(self._hello, self.drain_requested)
+            self.kept.clear()  # the scheduler has it, or we are leaving
+            if welcome is None:  # SIGTERM before we were welcomed, or our group was drained
+                break
+            try:
+                code = self._serve(self._subscribe(welcome))
+                break
+            except Rejoin as e:
+                self._log_rejoin(str(e))
+                if self.peer.rejoin_reason()[0] and self.tp_size == 1:  # a new scheduler: tell it our KV
+                    self.kept.take(self.runner.reqs.values(), self.runner.block_size)
+                self.runner.reqs.clear()
+                self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
+                if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
+                    code = EXIT_RESYNC
                     break
-                try:
-                    code = self._serve(self._subscribe(welcome))
-                    break
-                except Rejoin as e:
-                    self._log_rejoin(str(e))
-                    if self.peer.rejoin_reason()[0] and self.tp_size == 1:  # a new scheduler: tell it our KV
-                        self.kept.take(self.runner.reqs.values(), self.runner.block_size)
-                    self.runner.reqs.clear()
-                    self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
-                    if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
-                        code = EXIT_RESYNC
-                        break
-        except Refused as e:
-            code = self._refused(e.detail)
-        except SystemExit as e:
-            code = int(e.code or 0)
-        finally:
-            self.peer.close()
-            self.ctx.term()
         return code
 
     def _log_rejoin(self, ended: str) -> None:
@@ -247,7 +255,7 @@ class WorkerService:
                     self.dealer_ch.send(P.Drain(worker_id=self.worker_id))
                     drain_sent = True
                 events = dict(poller.poll(200))
-                if self.dealer in events and self.peer.note(self._recv(self.dealer_ch)):
+                if self.dealer in events and self._on_dealer(self._recv(self.dealer_ch)):
                     continue  # drained, or asked to rejoin: handled at the top
                 if sub not in events:
                     continue
@@ -260,6 +268,7 @@ class WorkerService:
                     self.dealer_ch.send(P.ProbeAck(worker_id=self.worker_id, probe_id=msg.probe_id))
                 elif isinstance(msg, P.Shutdown):
                     log.info("the scheduler ended this group", reason=msg.reason)
+                    self._on_shutdown(msg)
                     # drained: we asked for it, or the scheduler says so on our own socket (it sends
                     # that WELCOME before this Shutdown, but on another socket: give it a moment)
                     if drain_sent or self.peer.wait_drained(DRAINED_WAIT_S):
@@ -276,6 +285,14 @@ class WorkerService:
                     self._step(msg)
         finally:
             sub.close(linger=0)
+
+    def _on_dealer(self, msg) -> bool:
+        """A message on our own socket while serving; True when the loop must look at its flags
+        (a pool member also takes Unload here: services/worker/pool.py)."""
+        return self.peer.note(msg)
+
+    def _on_shutdown(self, msg: P.Shutdown) -> None:
+        """Our group ended; a pool member's model may have been unloaded (it raises)."""
 
     def _recv(self, ch: Channel):
         try:
@@ -309,16 +326,28 @@ class WorkerService:
         self.peer.goodbye(reason)
 
 
-def main(args) -> int:
+def setup(args) -> WorkerArgs:
+    """A worker process's start, before its service is built: logging, torch's threads."""
     setup_logging(service="worker")
     wargs = from_cli_args(WorkerArgs, args)
     if wargs.threads:
         torch.set_num_threads(wargs.threads)
-    eargs = from_cli_args(EngineArgs, args, model=args.model)
-    svc = WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank, worker_id=wargs.worker_id,
-                        heartbeat_interval_s=wargs.heartbeat_interval_s, dist_init_addr=wargs.dist_init_addr,
-                        advertise_host=wargs.advertise_host, curve_keys=wargs.curve_keys,
-                        curve_client=wargs.curve_client, collective_ifname=wargs.collective_ifname)
+    return wargs
+
+
+def serve(svc: WorkerService) -> int:
+    """Run a worker process's service until it leaves; SIGTERM and SIGINT drain it."""
     signal.signal(signal.SIGTERM, lambda *_: svc.drain_requested.set())
     signal.signal(signal.SIGINT, lambda *_: svc.drain_requested.set())
     return svc.run()
+
+
+def main(args) -> int:
+    """`zeroserve worker` (a pool member, `--pool`, starts from services/worker/pool.py's main)."""
+    wargs = setup(args)
+    eargs = from_cli_args(EngineArgs, args, model=args.model)
+    return serve(WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank,
+                               worker_id=wargs.worker_id, heartbeat_interval_s=wargs.heartbeat_interval_s,
+                               dist_init_addr=wargs.dist_init_addr, advertise_host=wargs.advertise_host,
+                               curve_keys=wargs.curve_keys, curve_client=wargs.curve_client,
+                               collective_ifname=wargs.collective_ifname))

@@ -24,23 +24,48 @@
     document.body.dataset.mode = mode;
   }
 
+  // a model pool's model: its state beside its name; choosing one that no worker holds loads it
+  function modelLabel(m) {
+    const st = m.state || "loaded";
+    if (st === "loaded") return m.id + (m.groups !== undefined ? "  (" + m.groups + " groups)" : "");
+    if (st === "failed") return m.id + "  (failed: " + (m.reason || "").slice(0, 80) + ")";
+    return m.id + "  (" + st + (m.waiting ? ", " + m.waiting + " waiting" : "") + ")";
+  }
+
+  let modelsTimer = null;
   async function loadModels() {
+    clearTimeout(modelsTimer);
     try {
       const j = await ZS.json("/v1/models");
       const sel = $("model"), prev = sel.value;
       sel.textContent = "";
       for (const m of j.data) {
-        const o = ZS.el("option", "", m.id + (m.groups !== undefined ? "  (" + m.groups + " groups)" : ""));
+        const o = ZS.el("option", "", modelLabel(m));
         o.value = m.id;
+        o.dataset.state = m.state || "loaded";
         sel.appendChild(o);
       }
       if (prev && j.data.some((m) => m.id === prev)) sel.value = prev;
-      $("status").textContent = j.data.length ? j.data.length + " model(s) served" : "no model served yet";
-      if (!j.data.length) setTimeout(loadModels, 2000);
+      const loaded = j.data.filter((m) => (m.state || "loaded") === "loaded").length;
+      $("status").textContent = j.data.length ? j.data.length + " model(s), " + loaded + " loaded" : "no model served yet";
+      // states change as the pool loads and unloads: look again while the page is open
+      modelsTimer = setTimeout(loadModels, j.data.length ? 5000 : 2000);
     } catch (e) {
       $("status").textContent = "gateway: " + e.message;
-      setTimeout(loadModels, 3000);
+      modelsTimer = setTimeout(loadModels, 3000);
     }
+  }
+
+  async function chooseModel() {
+    const o = $("model").selectedOptions[0];
+    if (!o || o.dataset.state === "loaded" || o.dataset.state === "loading") return;
+    try {
+      await ZS.json("/v1/models/load", { method: "POST", body: JSON.stringify({ model: o.value }) });
+      $("status").textContent = "loading " + o.value + "...";
+    } catch (e) {
+      $("status").textContent = "load " + o.value + ": " + e.message;
+    }
+    loadModels();
   }
 
   function addMessage(role, text, raw) {
@@ -203,6 +228,7 @@
     $("prompt").addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
     });
+    $("model").addEventListener("change", chooseModel);
     ZS.onKey(loadModels);
     loadModels();
   });

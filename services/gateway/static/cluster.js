@@ -131,7 +131,16 @@
     const d = s.detokenizer || {};
     row("detokenizer", d.connected ? "connected (" + d.worker_id + ")" : "NOT connected", "detokenizer");
     row("scheduler", s.scheduler_id + ", up " + dur(s.uptime_s || 0), "scheduler");
-    row("models", (s.models || []).join(", ") || "–");
+    const pool = s.pool || {};
+    const states = pool.models || {};
+    row("models", (s.models || []).map((n) => states[n] ? n + " (" + states[n].state + ")" : n).join(", ") || "–",
+        "models");
+    if ((pool.members || []).length) {
+      // which pool member holds which model, and the loads in progress
+      row("model pool", pool.members.map((m) => m.worker_id + ": " + m.state + (m.model ? " " + m.model : "")
+          + (m.state === "loading" || m.state === "unloading" ? " (" + dur(m.for_s || 0) + ")" : "")).join("  ·  "),
+          "pool");
+    }
     row("addresses", Object.entries(s.addresses || {}).map(([k, v]) => k + " " + v).join("  ·  ") || "–");
     const m = s.metrics || {};
     row("latency (mean since start)", "queue " + ms(m.queue_mean_s) + " · TTFT " + ms(m.ttft_mean_s) + " · inter-token "
