@@ -23,6 +23,7 @@ import torch
 from zeroserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
+    "add_lora",
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_tanh_and_mul",
@@ -328,3 +329,4 @@ def paged_attention_impl(
 
 
 from zeroserve.kernels.moe import fused_moe_triton as fused_moe  # noqa: E402,F401 (grouped GEMM: kernels/moe.py)
+from zeroserve.kernels.lora import add_lora_triton as add_lora  # noqa: E402,F401 (BGMV: kernels/lora.py)
