@@ -296,8 +296,13 @@ class NewRequest(Message):
     block_ids: I32 = msgspec.field(default_factory=empty_i32)
     num_computed_tokens: Count = 0
     num_scheduled_tokens: Count = 0
+    # the LoRA adapter `params.lora` names: its directory, as the scheduler's registry has it
+    # (--lora-modules, /v1/load_lora_adapter); the worker loads it into a slot on first use
+    lora_path: Text | None = None
 
     def check(self) -> str | None:
+        if (self.lora_path is None) != (self.params.lora is None):
+            return "lora_path comes with params.lora (and only with it)"
         n = self.token_ids.shape[0]
         if self.num_prompt_tokens > n:
             return f"num_prompt_tokens {self.num_prompt_tokens} not in [0, {n}]"

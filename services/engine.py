@@ -16,6 +16,7 @@ from zeroserve.common.config import EngineArgs
 from zeroserve.common.detokenize import IncrementalDetokenizer
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.log import get_logger
+from zeroserve.common.lora import registry_from_args
 from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
 from zeroserve.common.outputs import CompletionOutput, RequestOutput, logprob_entries
 from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, with_model_defaults
@@ -64,6 +65,9 @@ class LLMEngine:
                                    max_len, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size,
                                    self.model_cfg.kv_window, self.runner.num_lookahead_tokens,
                                    max_num_prefill_tokens=args.max_num_prefill_tokens)
+        self.scheduler.max_loras_per_batch = args.loras_per_batch if args.lora_enabled else 0
+        self.loras_parent = str(model_dir)
+        self.loras = registry_from_args(args, self.model_cfg, self.loras_parent)  # LoRA adapters by name
         self.rng = random.Random(args.seed)
         self.grammars = GrammarCompiler(lambda: self.tokenizer, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}
@@ -95,6 +99,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(text) if text is not None else arr.tolist()
         check_prompt_ids(ids, self.model_cfg.vocab_size, self.max_model_len)
         check_params_for_model(params, self.model_cfg.vocab_size)
+        params, lora_path = self.loras.resolve(params, None)
         so = params.structured_outputs
         grammar = self.grammars.compile(so) if so is not None else None
         if request_id is None:
@@ -103,6 +108,7 @@ class LLMEngine:
         if request_id in self.tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         for r in fan_out(request_id, ids, params, self.rng, self.max_model_len, grammar):
+            r.lora_path = lora_path
             self.scheduler.add_request(r)
         out = RequestOutput(request_id, text, list(ids),
                             [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)

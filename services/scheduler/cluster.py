@@ -208,7 +208,7 @@ class Cluster:
         """Pick the group for a request: prefix-cache hits first, then the least loaded."""
         best, best_key = None, None
         for g in self.groups.ready(live.model):
-            hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids) if live.prompt_ids else 0
+            hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids, live.params.lora) if live.prompt_ids else 0
             crowded = g.load() >= g.policy.max_num_seqs  # a hit is worth little behind a full batch
             key = (not crowded and hit > 0, hit if not crowded else 0, -g.load(), g.policy.bm.num_free_blocks)
             if best_key is None or key > best_key:

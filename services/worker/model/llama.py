@@ -183,6 +183,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM over a paged KV cache; see the package docstring for the interface."""
 
+    lora_ctx = None  # services/worker/lora.py's LoRAContext, when adapters are enabled
+
     def __init__(self, cfg: ModelConfig, device, dtype: torch.dtype, ops,
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, expert_parallel: bool = False):
         super().__init__()
@@ -232,7 +234,8 @@ class CausalLM(nn.Module):
             hidden = hidden * self.cfg.embedding_multiplier
         positions = self.rotary.rope_positions(positions, meta)  # LongRoPE: short or long rows
         step = self._cpu_step()
-        if step is not None and step.applies(meta, hidden, kv_caches):
+        if step is not None and (self.lora_ctx is None or self.lora_ctx.batch is None) \
+                and step.applies(meta, hidden, kv_caches):
             return step(hidden, positions, kv_caches, meta)  # the same layers, in one compiled call
         residual = None
         for layer, kv in zip(self.layers, kv_caches):

@@ -1,0 +1,200 @@
+"""LoRA adapters as worker state: resident slots in every targeted linear, LRU over them, and
+each step's row -> slot map.
+
+Every decoder layer's q|k|v, o, gate|up and down linears get a `LoRALinear` (its `lora`
+attribute, applied in services/worker/model/layers.py after the base matmul, whatever the base
+weight's format: float, packed GGUF or int8/int4). It holds `max_loras` slots of A and B stacked
+for kernels/lora.py's `add_lora`, each zero-padded to `max_lora_rank` (padding adds exact zeros).
+Tensor parallelism shards them like the base weights: a column-parallel linear keeps all of A and
+its rows of each part's B; a row-parallel linear keeps its columns of A and all of B, and its
+delta is added to the partial sum before the all-reduce (sum over ranks of B A_r x_r = B A x).
+
+`LoRAManager` maps adapters to slots: `acquire` loads an adapter (checked against the model by
+common/lora.py first) into a free slot, or the least recently used slot no live request holds;
+`release` unpins it; `set_batch` tells the layers which slot each row of the step uses.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from safetensors import safe_open
+
+from zeroserve.common.errors import InvalidRequest
+from zeroserve.common.lora import AdapterSpec, check_adapter, read_adapter
+from zeroserve.common.model_config import ModelConfig
+from zeroserve.kernels.lora import LoRABatch
+
+
+class LoRAContext:
+    """Shared by every LoRALinear of a model: the step's rows -> slots, the slots' scalings."""
+
+    def __init__(self, ops, num_slots: int, device) -> None:
+        self.ops = ops
+        self.batch: LoRABatch | None = None
+        self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)
+
+
+class LoRALinear:
+    """One linear's adapter slots: a [S, P*R, K] (each part's A stacked), b [S, N, R]."""
+
+    def __init__(self, ctx: LoRAContext, targets: list[str], in_features: int, out_parts: list[int],
+                 row_parallel: bool, tp, rank: int, device, dtype) -> None:
+        self.ctx, self.targets, self.row_parallel, self.tp = ctx, targets, row_parallel, tp
+        s = ctx.scale.shape[0]
+        self.k = in_features // tp.size if row_parallel else in_features
+        self.parts = out_parts if row_parallel else [n // tp.size for n in out_parts]  # this shard's rows
+        bounds = [0]
+        for n in self.parts:
+            bounds.append(bounds[-1] + n)
+        self.bounds = tuple(bounds)
+        self.rank = rank
+        self.a = torch.zeros((s, len(targets) * rank, self.k), dtype=dtype, device=device)
+        self.b = torch.zeros((s, bounds[-1], rank), dtype=dtype, device=device)
+
+    def load(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill `slot` from full (unsharded) A [r, in] and B [out, r] per target; a target the
+        adapter lacks stays zero."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for p, target in enumerate(self.targets):
+            if target not in pieces:
+                continue
+            a, b = pieces[target]
+            r = a.shape[0]
+            if self.row_parallel:
+                a = a[:, self.tp.rank * self.k:(self.tp.rank + 1) * self.k]
+            else:
+                n = self.parts[p]
+                b = b[self.tp.rank * n:(self.tp.rank + 1) * n]
+            self.a[slot, p * self.rank:p * self.rank + r] = a.to(self.a.dtype)
+            lo, hi = self.bounds[p], self.bounds[p + 1]
+            self.b[slot, lo:hi, :r] = b.to(self.b.dtype)
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        batch = self.ctx.batch
+        if batch is None:
+            return y
+        return self.ctx.ops.add_lora(y, x, self.a, self.b, self.ctx.scale, self.bounds, batch)
+
+
+class LoRAManager:
+    """`max_loras` resident adapter slots of rank up to `max_rank` in `model`'s dense linears."""
+
+    def __init__(self, model, cfg: ModelConfig, ops, max_loras: int, max_rank: int, device, dtype) -> None:
+        from zeroserve.services.worker.model.llama import MLP
+
+        self.cfg, self.max_rank, self.device = cfg, max_rank, device
+        self.ctx = LoRAContext(ops, max_loras, device)
+        self.linears: dict[tuple[int, str], LoRALinear] = {}  # (layer, first target) -> its slots
+        c, tp = cfg, model.tp
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            self._attach(i, attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], c.hidden_size, [q, kv, kv], False, tp,
+                         dtype)
+            self._attach(i, attn.o_proj, ["o_proj"], q, [c.hidden_size], True, tp, dtype)
+            if isinstance(layer.mlp, MLP):  # MoE layers' experts take no adapter (common/lora.py refuses)
+                n = c.intermediate_size
+                self._attach(i, layer.mlp.gate_up_proj, ["gate_proj", "up_proj"], c.hidden_size, [n, n], False, tp,
+                             dtype)
+                self._attach(i, layer.mlp.down_proj, ["down_proj"], n, [c.hidden_size], True, tp, dtype)
+        model.lora_ctx = self.ctx  # the compiled decode step stands aside while a batch has adapters
+        self.slot_of: OrderedDict[tuple[str, str], int] = OrderedDict()  # (name, path) -> slot, LRU first
+        self.pins = [0] * max_loras  # live requests per slot
+        self.free = list(range(max_loras))[::-1]
+
+    def _attach(self, layer: int, module, targets, fin, parts, row, tp, dtype) -> None:
+        lin = LoRALinear(self.ctx, targets, fin, parts, row, tp, self.max_rank, self.device, dtype)
+        module.lora = lin
+        self.linears[(layer, targets[0])] = lin
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.pins)
+
+    def resident(self) -> list[str]:
+        return [name for name, _ in self.slot_of]
+
+    def acquire(self, name: str, path: str) -> int:
+        """The slot holding adapter (name, path), loaded now if it is not resident; pinned until
+        `release`. InvalidRequest when it does not fit the model or every slot is pinned."""
+        key = (name, path)
+        slot = self.slot_of.get(key)
+        if slot is None:
+            slot = self._take_slot(name)
+            try:
+                self._load(slot, check_adapter(read_adapter(name, path), self.cfg, self.max_rank))
+            except BaseException:
+                self.free.append(slot)
+                raise
+            self.slot_of[key] = slot
+        self.slot_of.move_to_end(key)
+        self.pins[slot] += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot >= 0:
+            self.pins[slot] -= 1
+
+    def evict(self, name: str) -> bool:
+        """Forget adapter `name`'s unpinned slots (an unloaded adapter); -> whether one was dropped."""
+        dropped = False
+        for key, slot in list(self.slot_of.items()):
+            if key[0] == name and not self.pins[slot]:
+                del self.slot_of[key]
+                self.free.append(slot)
+                dropped = True
+        return dropped
+
+    def _take_slot(self, name: str) -> int:
+        if self.free:
+            return self.free.pop()
+        for key, slot in self.slot_of.items():  # least recently used first
+            if not self.pins[slot]:
+                del self.slot_of[key]
+                return slot
+        raise InvalidRequest(f"LoRA adapter {name!r}: all {self.num_slots} adapter slots (--max-loras) are held by "
+                             "running requests")
+
+    def _load(self, slot: int, spec: AdapterSpec) -> None:
+        per_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        with safe_open(f"{spec.path}/adapter_model.safetensors", framework="pt") as f:
+            for (layer, target), (ka, kb) in spec.targets().items():
+                per_layer.setdefault(layer, {})[target] = (f.get_tensor(ka).float(), f.get_tensor(kb).float())
+        for (layer, _), lin in self.linears.items():
+            lin.load(slot, per_layer.get(layer, {}))
+        self.ctx.scale[slot] = spec.scaling
+
+    def set_batch(self, row_slots) -> None:
+        """Which slot each row of the next forward uses (-1: none); None or all -1: no adapter."""
+        self.ctx.batch = None if row_slots is None else LoRABatch.from_rows(row_slots, self.device)
+
+
+def make_lora(args, runner) -> LoRAManager | None:
+    """The runner's adapter slots when LoRA is enabled (EngineArgs' LoRA knobs), else None."""
+    if not getattr(args, "lora_enabled", False):
+        return None
+    return LoRAManager(runner.model, runner.cfg, runner.ops, args.max_loras, args.max_lora_rank, runner.device,
+                       runner.dtype)
+
+
+def acquire_slots(lora: LoRAManager | None, new_reqs) -> list[int]:
+    """The slot of each new request's adapter (-1: none), all or nothing: a failure releases the
+    slots taken before it and raises, before the runner changes any request state."""
+    slots: list[int] = []
+    try:
+        for n in new_reqs:
+            if n.lora_path is None:
+                slots.append(-1)
+            elif lora is None:
+                raise InvalidRequest(f"request {n.req_id!r} asks for LoRA adapter {n.params.lora!r}; this worker "
+                                     "serves no adapters (start it with --enable-lora or --lora-modules)")
+            else:
+                slots.append(lora.acquire(n.params.lora, n.lora_path))
+    except BaseException:
+        for s in slots:
+            lora.release(s)
+        raise
+    return slots

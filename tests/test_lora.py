@@ -1,0 +1,133 @@
+"""LoRA adapters in process (LLM): greedy output of each adapter equals HF transformers + PEFT on
+the same base and adapter (fp32), alone and in batches that mix adapters and the base model; the
+adapter is checked against the model with an error naming what does not fit; slots are reused
+least recently used first; the prefix cache never shares blocks across adapters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import cached_model_dir, random_prompt, torch_single_thread  # noqa: F401
+from tests.lora_ref import make_adapter, peft_greedy
+from zeroserve import LLM, SamplingParams
+from zeroserve.common.errors import InvalidRequest
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+N = 10
+
+
+@pytest.fixture(scope="module")
+def base():
+    return cached_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "a1": make_adapter(root / "a1", base, rank=8, alpha=16, seed=1),
+        "a2": make_adapter(root / "a2", base, rank=4, alpha=8, seed=2, targets=["q_proj", "v_proj", "down_proj"]),
+        "a3": make_adapter(root / "a3", base, rank=16, alpha=4, seed=3, use_rslora=True),
+        "a4": make_adapter(root / "a4", base, rank=2, alpha=2, seed=4, targets=["o_proj", "gate_proj", "up_proj"]),
+    }
+
+
+def _params():
+    return SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_mixed_batch_equals_peft(base, adapters, backend):
+    """Four adapters and the base model, several requests each, in one engine: every request's
+    greedy tokens equal HF + PEFT's for its own adapter."""
+    llm = LLM(str(base), lora_modules=[f"{k}={v}" for k, v in adapters.items()], attention_backend=backend,
+              max_loras=4, num_kv_blocks=256)
+    names = [None, "a1", "a2", "a3", "a4"] * 2
+    prompts = [random_prompt(5 + 3 * i, seed=i) for i in range(len(names))]
+    outs = llm.generate(prompts, _params(), lora=names)
+    for p, name, o in zip(prompts, names, outs):
+        ref = peft_greedy(base, adapters[name] if name else None, p, N)
+        assert o.outputs[0].token_ids == ref, (name, p)
+    # the deltas matter: each adapter's output differs from the base model's somewhere
+    base_out = {tuple(p): o.outputs[0].token_ids for p, n, o in zip(prompts, names, outs) if n is None}
+    for name in ("a1", "a2", "a3", "a4"):
+        alone = llm.generate(prompts[:1], _params(), lora=name)[0].outputs[0].token_ids
+        assert alone == peft_greedy(base, adapters[name], prompts[0], N)
+        assert alone != base_out[tuple(prompts[0])], name
+
+
+def test_alone_equals_in_batch_and_model_name_picks_adapter(base, adapters):
+    """A request alone equals itself in a mixed batch; params.model = the adapter's name (vLLM's
+    HTTP convention) is the same as lora = name."""
+    llm = LLM(str(base), lora_modules=[f"a1={adapters['a1']}", f"a3={adapters['a3']}"], max_loras=2,
+              num_kv_blocks=256)
+    p = random_prompt(12, seed=40)
+    alone = llm.generate([p], _params(), lora="a3")[0].outputs[0].token_ids
+    mixed = llm.generate([random_prompt(7, seed=41), p, random_prompt(9, seed=42)], _params(),
+                         lora=["a1", "a3", None])
+    assert mixed[1].outputs[0].token_ids == alone == peft_greedy(base, adapters["a3"], p, N)
+    by_model = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, model="a3"))
+    assert by_model[0].outputs[0].token_ids == alone
+
+
+def test_lru_slots_and_runtime_load(base, adapters):
+    """One slot, three adapters loaded at run time: each request gets its own adapter's output as
+    the slot is reloaded (least recently used out), and an unloaded adapter is refused."""
+    llm = LLM(str(base), enable_lora=True, max_loras=1, num_kv_blocks=256)
+    for name in ("a1", "a2", "a4"):
+        llm.load_lora_adapter(name, str(adapters[name]))
+    p = random_prompt(10, seed=50)
+    for name in ("a1", "a2", "a1", "a4"):
+        got = llm.generate([p], _params(), lora=name)[0].outputs[0].token_ids
+        assert got == peft_greedy(base, adapters[name], p, N), name
+    # two adapters in one batch with one slot: the policy runs them one after the other
+    both = llm.generate([p, p], _params(), lora=["a2", "a4"])
+    assert [o.outputs[0].token_ids for o in both] == [peft_greedy(base, adapters[n], p, N) for n in ("a2", "a4")]
+    llm.unload_lora_adapter("a2")
+    with pytest.raises(InvalidRequest, match="'a2' is not served"):
+        llm.generate([p], _params(), lora="a2")
+
+
+def test_prefix_cache_keeps_adapters_apart(base, adapters):
+    """The same long prompt under the base model, then an adapter: the adapter's request gets no
+    cached blocks from the base model's (its K/V differ) and still equals PEFT's output."""
+    llm = LLM(str(base), lora_modules=[f"a1={adapters['a1']}"], num_kv_blocks=256)
+    p = random_prompt(70, seed=60)
+    first = llm.generate([p], _params())[0]
+    again = llm.generate([p], _params())[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    with_a1 = llm.generate([p], _params(), lora="a1")[0]
+    assert with_a1.num_cached_tokens == 0
+    assert with_a1.outputs[0].token_ids == peft_greedy(base, adapters["a1"], p, N)
+    assert llm.generate([p], _params(), lora="a1")[0].num_cached_tokens > 0  # its own blocks are reused
+
+
+def test_adapter_that_does_not_fit_is_named(base, adapters, tmp_path):
+    """Rank above --max-lora-rank, a shape of another model, an unsupported target: each refused
+    with a message naming it."""
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    with pytest.raises(InvalidRequest, match="rank 16 is above --max-lora-rank 8"):
+        llm.load_lora_adapter("big", str(adapters["a3"]))
+    other = make_adapter(tmp_path / "other", base, rank=4, seed=7, targets=["q_proj"])
+    w = load_file(other / "adapter_model.safetensors")  # as if made for a model with a wider q_proj
+    key = next(k for k in w if k.endswith("q_proj.lora_B.weight"))
+    w[key] = torch.zeros(w[key].shape[0] + 8, 4)
+    save_file(w, other / "adapter_model.safetensors")
+    with pytest.raises(InvalidRequest, match=r"layer \d+ q_proj: lora_A .* do not fit the base model"):
+        llm.load_lora_adapter("other", str(other))
+    cfg = json.loads((other / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "lm_head"]
+    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidRequest, match=r"target_modules \['lm_head'\] are not supported"):
+        llm.load_lora_adapter("other", str(other))
+    with pytest.raises(InvalidRequest, match="no adapter_config.json"):
+        llm.load_lora_adapter("missing", str(tmp_path / "nowhere"))
+
+
+def test_speculative_decoding_with_lora_is_refused(base):
+    with pytest.raises(InvalidRequest, match="speculative decoding is not supported with LoRA"):
+        LLM(str(base), enable_lora=True, speculative_method="ngram")
