@@ -131,3 +131,25 @@ def test_adapter_that_does_not_fit_is_named(base, adapters, tmp_path):
 def test_speculative_decoding_with_lora_is_refused(base):
     with pytest.raises(InvalidRequest, match="speculative decoding is not supported with LoRA"):
         LLM(str(base), enable_lora=True, speculative_method="ngram")
+
+
+def test_packed_gguf_base(base, adapters, tmp_path):
+    """A Q8_0 GGUF base (packed weights, the compiled kernels) with adapters: each adapter's output
+    equals the same adapter on that GGUF dequantized to fp32 (whose float path equals PEFT's,
+    above), and the base rows of a mixed batch equal the base model alone (they leave the compiled
+    decode step for the layer-by-layer path, whose hidden states are the same bits)."""
+    from tests.gguf_export import export_hf_dir
+
+    gguf = export_hf_dir(base, tmp_path / "llama-q8_0.gguf", "Q8_0")
+    mods = [f"{k}={adapters[k]}" for k in ("a1", "a3")]
+    packed = LLM(str(gguf), lora_modules=mods, num_kv_blocks=256)
+    assert packed.engine.runner.model.quant_summary().get("q8_0", 0) > 0
+    floats = LLM(str(gguf), lora_modules=mods, quantization="none", num_kv_blocks=256)
+    prompts = [random_prompt(6 + 4 * i, seed=70 + i) for i in range(6)]
+    names = ["a1", None, "a3", "a1", None, "a3"]
+    got = [o.outputs[0].token_ids for o in packed.generate(prompts, _params(), lora=names)]
+    want = [o.outputs[0].token_ids for o in floats.generate(prompts, _params(), lora=names)]
+    assert got == want
+    base_alone = [o.outputs[0].token_ids for o in packed.generate([prompts[1], prompts[4]], _params())]
+    assert base_alone == [got[1], got[4]]
+    assert got[0] != packed.generate([prompts[0]], _params())[0].outputs[0].token_ids  # the delta applies
