@@ -151,10 +151,34 @@ class ModelCard(Message):
     # the format its tool calls are parsed in (tool_choice auto), from --tool-call-parser or its
     # chat template; "" while its tokenizer loads, or when nothing is recognised
     tool_call_parser: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    parent: Name | None = None  # a LoRA adapter's card: its base model (vLLM's /v1/models field)
 
 
 class ModelsReply(Message):
     models: list[ModelCard] = msgspec.field(default_factory=list)
+
+
+class LoadLoRA(Message):
+    """Serve the PEFT adapter at `path` (as the workers see it) as `name`, for base `model`
+    (None: the scheduler's default model). Answered with a LoRAReply."""
+
+    name: Name
+    path: Text
+    model: Name | None = None
+
+
+class UnloadLoRA(Message):
+    """Stop serving adapter `name` (workers drop it from their slots once no request holds it)."""
+
+    name: Name
+
+
+class LoRAReply(Message):
+    """The answer to LoadLoRA / UnloadLoRA: ok, or `detail` saying what does not fit."""
+
+    name: Name
+    ok: bool = True
+    detail: Text = ""
 
 
 class Output(Message):
@@ -565,7 +589,7 @@ class Event(Message):
 MESSAGE_TYPES: dict[bytes, type[Message]] = {
     cls.__name__.encode(): cls
     for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, MetricsRequest,
-                MetricsReply, Output, Outputs,
+                MetricsReply, LoadLoRA, UnloadLoRA, LoRAReply, Output, Outputs,
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }

@@ -567,7 +567,8 @@ async def test_health_stats_models(peers):
         assert h["ok"] is True and h["scheduler_id"] == "sched-test"
         assert h["protocol_version"] == P.PROTOCOL_VERSION and h["latency_ms"] >= 0
         assert await c.stats() == peer.stats
-        assert await c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": ""}]
+        assert await c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": "",
+                                     "parent": None}]
         hs = await asyncio.gather(*(c.health() for _ in range(5)))
         assert all(x["ok"] for x in hs)
 
@@ -621,7 +622,8 @@ def test_sync_client_generate_stream_and_errors(peers):
         assert [o.token_ids for o in res.outputs] == [[5, 6, 8], [7, 9, 10, 11]]
         deltas = list(c.stream("hello", {"n": 2, "logprobs": 2}))
         assert [d.text for d in deltas] == ["ab", "c", "d", "ef", "g"] and deltas[-1].finish_reason == "stop"
-        assert c.health()["ok"] and c.stats() == peer.stats and c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": ""}]
+        assert c.health()["ok"] and c.stats() == peer.stats and c.models() == [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": "",
+                                                                                 "parent": None}]
         # leaving a stream early aborts it
         peer.script = lambda m: [[out(m.request_id, [1], "a")]]
         for d in c.stream("x", request_id="sb"):

@@ -95,7 +95,11 @@ def sample_messages() -> dict[type, list]:
         M.StatsReply: [M.StatsReply(stats={"running": 3, "groups": {"g0": {"kv_free": 0.5}}, "ids": [1, "a", None, True]})],
         M.ModelsRequest: [M.ModelsRequest()],
         M.ModelsReply: [M.ModelsReply(models=[M.ModelCard(id="tiny", max_model_len=256, groups=2), M.ModelCard(id="b")]),
-                        M.ModelsReply()],
+                        M.ModelsReply(),
+                        M.ModelsReply(models=[M.ModelCard(id="tiny"), M.ModelCard(id="sql-lora", parent="tiny")])],
+        M.LoadLoRA: [M.LoadLoRA(name="sql-lora", path="/adapters/sql"), M.LoadLoRA(name="x", path="/a", model="tiny")],
+        M.UnloadLoRA: [M.UnloadLoRA(name="sql-lora")],
+        M.LoRAReply: [M.LoRAReply(name="sql-lora"), M.LoRAReply(name="x", ok=False, detail="rank 64 is above 16")],
         M.MetricsRequest: [M.MetricsRequest()],
         M.MetricsReply: [M.MetricsReply(text='# TYPE zeroserve:num_requests_running gauge\nzeroserve:num_requests_running{model_name="tiny"} 2.0\n'),
                          M.MetricsReply()],
@@ -136,7 +140,9 @@ def sample_messages() -> dict[type, list]:
         M.Heartbeat: [M.Heartbeat(worker_id="w0", stats={"steps": 10, "busy": 0.25})],
         M.Probe: [M.Probe(probe_id="p-1")],
         M.ProbeAck: [M.ProbeAck(worker_id="w0", probe_id="p-1")],
-        M.Step: [step, M.Step(seq=0, group="g1")],
+        M.Step: [step, M.Step(seq=0, group="g1"),
+                 M.Step(seq=1, new_reqs=[M.NewRequest(req_id="l", token_ids=arr([1]), num_prompt_tokens=1,
+                                                      params=SamplingParams(lora="sql"), lora_path="/adapters/sql")])],
         M.StepResult: [
             M.StepResult(
                 seq=42,
@@ -1457,3 +1463,11 @@ def test_step_with_256_requests_encodes_fast():
     assert _best_of(lambda: C.decode(C.encode(step))) < 2e-3
     assert _best_of(lambda: C.decode(C.encode(res))) < 2e-3
     assert _best_of(lambda: C.decode(C.encode(outs))) < 5e-3
+
+
+def test_new_request_lora_path_comes_with_params_lora():
+    with pytest.raises(ValueError, match="lora_path comes with params.lora"):
+        M.NewRequest(req_id="a", token_ids=np.array([1], np.int32), num_prompt_tokens=1, lora_path="/a")
+    with pytest.raises(ValueError, match="lora_path comes with params.lora"):
+        M.NewRequest(req_id="a", token_ids=np.array([1], np.int32), num_prompt_tokens=1,
+                     params=SamplingParams(lora="x"))

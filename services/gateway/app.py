@@ -44,7 +44,7 @@ from zeroserve.services.gateway.errors import (
     api_error,
     validation_error,
 )
-from zeroserve.services.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from zeroserve.services.gateway.protocol import DetokenizeRequest, LoadLoRARequest, TokenizeRequest, UnloadLoRARequest
 
 log = get_logger("gateway")
 
@@ -203,6 +203,8 @@ class Gateway:
     async def tokenizer(self, model: str, required: bool = True):
         """The tokenizer of `model`, loaded on first use from a --model directory; None (or a
         400 when `required`) if this gateway was given none for it."""
+        # a LoRA adapter tokenizes as its base model
+        model = next((m["parent"] for m in self._models if m["id"] == model and m.get("parent")), model)
         if model in self._tokenizers:
             return self._tokenizers[model]
         async with self._tok_lock:
@@ -301,7 +303,21 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         models = await gw.models(refresh=True)
         return {"object": "list", "data": [
             {"id": m["id"], "object": "model", "created": _now(), "owned_by": "zeroserve", "root": m["id"],
-             "max_model_len": m.get("max_model_len"), "groups": m.get("groups")} for m in models]}
+             "parent": m.get("parent"), "max_model_len": m.get("max_model_len"), "groups": m.get("groups")}
+            for m in models]}
+
+    # LoRA adapters at run time (vLLM's endpoints and answers); behind the API key like all of /v1
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRARequest):
+        await gw.client.load_lora_adapter(req.lora_name, req.lora_path, req.model)
+        await gw.models(refresh=True)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRARequest):
+        await gw.client.unload_lora_adapter(req.lora_name)
+        await gw.models(refresh=True)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
@@ -339,4 +355,4 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-               "/detokenize", "/", "/cluster", "/api/cluster"}
+               "/detokenize", "/", "/cluster", "/api/cluster", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}

@@ -3,7 +3,8 @@
 The prefix cache keys every full block by (hash of the previous block's key, its tokens):
 a lookup compares the tokens themselves, so a hash collision can never serve wrong KV. The
 first block's "previous key" is the request's LoRA adapter (`cache_root`): the same tokens
-under another adapter have other K/V, so they never share blocks.
+under another adapter have other K/V, so they never share blocks. An adapter is known by its
+directory (two names for one directory share, a name reloaded from another directory does not).
 Free blocks that hold cached content stay findable until they are reused, least recently
 freed first (LRU).
 
@@ -20,14 +21,13 @@ from collections import OrderedDict
 from zeroserve.services.scheduler.request import Request
 
 
-def cache_root(lora: str | None) -> int:
-    """The chain's first link: 0 for the base model, else the adapter's name (as a key, so a
-    hash collision still cannot mix adapters: the block's key holds it)."""
-    return 0 if lora is None else hash(("lora", lora))
+def cache_root(lora_path: str | None) -> int:
+    """The chain's first link: 0 for the base model, else the hash of the adapter's directory."""
+    return 0 if lora_path is None else hash(("lora", lora_path))
 
 
 def _root(req: Request) -> int:
-    return cache_root(req.params.lora)
+    return cache_root(req.lora_path)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -77,22 +77,22 @@ class BlockManager:
             yield key
             prev_hash = hash(key)
 
-    def lookup(self, token_ids: list[int], lora: str | None = None) -> list[int]:
-        """Block ids caching the longest full-block prefix of `token_ids` (under adapter `lora`),
+    def lookup(self, token_ids: list[int], lora_path: str | None = None) -> list[int]:
+        """Block ids caching the longest full-block prefix of `token_ids` (under the adapter at `lora_path`),
         leaving at least one token to compute (the last one's logits are needed)."""
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for key in self._chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, cache_root(lora)):
+        for key in self._chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, cache_root(lora_path)):
             block = self.cache.get(key)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def num_cached_prefix_tokens(self, token_ids: list[int], lora: str | None = None) -> int:
+    def num_cached_prefix_tokens(self, token_ids: list[int], lora_path: str | None = None) -> int:
         """Prefix-cache hit length for routing decisions (no side effects)."""
-        return len(self.lookup(token_ids, lora)) * self.block_size
+        return len(self.lookup(token_ids, lora_path)) * self.block_size
 
     def take_cached(self, req: Request, blocks: list[int]) -> None:
         """Give `req` (which holds no blocks yet) the cached prefix `blocks`."""

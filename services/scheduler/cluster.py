@@ -37,6 +37,7 @@ from zeroserve.services.scheduler.admission import (
 )
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
+from zeroserve.services.scheduler.lora import LoRAAdmin
 from zeroserve.services.scheduler.metrics import SchedulerMetrics
 from zeroserve.services.scheduler.outbox import Outbox
 from zeroserve.services.scheduler.request import Request
@@ -75,6 +76,7 @@ class Cluster:
         self.addresses = addresses or {}
         self.started = now
         self.groups = Groups(cfg, models, scheduler_id, step_addr)
+        self.loras = LoRAAdmin(cfg, models)  # LoRA adapters served, by name
         self.delivery = Delivery(scheduler_id)
         self.live: dict[str, Live] = {}  # key -> Live
         self.by_client: dict[tuple[bytes, str], str] = {}  # (client, request_id) -> key
@@ -93,7 +95,14 @@ class Cluster:
     def client_handlers(self) -> dict[type, Handler]:
         return {P.Submit: self.on_submit, P.Abort: self.on_abort, P.Ping: self.on_ping,
                 P.StatsRequest: self.on_stats_request, P.ModelsRequest: self.on_models_request,
-                P.MetricsRequest: self.on_metrics_request}
+                P.MetricsRequest: self.on_metrics_request, P.LoadLoRA: self._seen(self.loras.on_load),
+                P.UnloadLoRA: self._seen(self.loras.on_unload)}
+
+    def _seen(self, handler: Handler) -> Handler:
+        def run(ident: bytes, m, now: float) -> Outbox:
+            self.client_seen[ident] = now
+            return handler(ident, m, now)
+        return run
 
     def backend_handlers(self) -> dict[type, Handler]:
         return {P.Hello: self.on_hello, P.Error: self.on_peer_error, P.DetokOutputs: self.on_detok_outputs,
@@ -110,7 +119,8 @@ class Cluster:
         if m.messages is not None:  # bounded before the chat template and the tokenizer see it
             check_text_size(sum(len(x.content.encode("utf-8", "surrogatepass")) for x in m.messages),
                             "the conversation's text")
-        model = m.params.model or self.default_model
+        params, _ = self.loras.resolve(m.params, m.params.model)  # model = an adapter's name: its parent
+        model = params.model or self.default_model
         if model not in self.models:
             served = sorted(self.models)
             raise InvalidRequest(f"model {model!r} is not served by this cluster; served models: {served}"
@@ -119,7 +129,7 @@ class Cluster:
             self.metrics.refused()
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
-        params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)
+        params = with_model_defaults(params, m.model_defaults, self.models[model].sampling_defaults)
         key = str(next(self.keys))
         self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
                               deadline=now + m.timeout_s if m.timeout_s else None)
@@ -186,10 +196,12 @@ class Cluster:
     def on_models_request(self, ident: bytes, m: P.ModelsRequest, now: float) -> Outbox:
         self.client_seen[ident] = now
         ob = Outbox()
-        ob.to_client(ident, P.ModelsReply(models=[
-            P.ModelCard(id=name, max_model_len=self.groups.max_model_len(name), groups=len(self.groups.ready(name)),
-                        tool_call_parser=info.tool_call_parser)
-            for name, info in self.models.items()]))
+        cards = {name: P.ModelCard(id=name, max_model_len=self.groups.max_model_len(name),
+                                   groups=len(self.groups.ready(name)), tool_call_parser=info.tool_call_parser)
+                 for name, info in self.models.items()}
+        adapters = [msgspec.structs.replace(cards[parent], id=name, parent=parent)  # served where its base is
+                    for name, parent in self.loras.registry.cards() if parent in cards]
+        ob.to_client(ident, P.ModelsReply(models=[*cards.values(), *adapters]))
         return ob
 
     # ================================================================ requests
@@ -199,7 +211,10 @@ class Cluster:
         check_prompt_ids(ids, vocab, max_len)
         check_params_for_model(live.params, vocab)
         live.prompt_ids = ids
+        _, lora_path = self.loras.resolve(live.params, live.model)  # still served (not unloaded meanwhile)?
         live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len, grammar)]
+        for s in live.seqs:
+            s.req.lora_path = lora_path
         self.delivery.add(live)
         self.metrics.admitted(live)
         self._route(live)
@@ -208,7 +223,8 @@ class Cluster:
         """Pick the group for a request: prefix-cache hits first, then the least loaded."""
         best, best_key = None, None
         for g in self.groups.ready(live.model):
-            hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids, live.params.lora) if live.prompt_ids else 0
+            lora_path = live.seqs[0].req.lora_path if live.seqs else None
+            hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids, lora_path) if live.prompt_ids else 0
             crowded = g.load() >= g.policy.max_num_seqs  # a hit is worth little behind a full batch
             key = (not crowded and hit > 0, hit if not crowded else 0, -g.load(), g.policy.bm.num_free_blocks)
             if best_key is None or key > best_key:

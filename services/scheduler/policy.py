@@ -194,7 +194,7 @@ class Scheduler:
                         j += 1
                         continue
                     if not req.block_ids:
-                        cached = self.bm.lookup(req.token_ids, req.params.lora)
+                        cached = self.bm.lookup(req.token_ids, req.lora_path)
                         if cached:
                             self.bm.take_cached(req, cached)
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
