@@ -4,7 +4,7 @@ each step's row -> slot map.
 Every decoder layer's q|k|v, o, gate|up and down linears get a `LoRALinear` (its `lora`
 attribute, applied in services/worker/model/layers.py after the base matmul, whatever the base
 weight's format: float, packed GGUF or int8/int4). It holds `max_loras` slots of A and B stacked
-for kernels/lora.py's `add_lora`, each zero-padded to `max_lora_rank` (padding adds exact zeros).
+(transposed) for kernels/lora.py's `add_lora`, each zero-padded to `max_lora_rank` (padding adds exact zeros).
 Tensor parallelism shards them like the base weights: a column-parallel linear keeps all of A and
 its rows of each part's B; a row-parallel linear keeps its columns of A and all of B, and its
 delta is added to the partial sum before the all-reduce (sum over ranks of B A_r x_r = B A x).
@@ -37,7 +37,8 @@ class LoRAContext:
 
 
 class LoRALinear:
-    """One linear's adapter slots: a [S, P*R, K] (each part's A stacked), b [S, N, R]."""
+    """One linear's adapter slots, transposed as kernels/lora.py takes them: at [S, K, P*R] (each
+    part's A^T side by side), bt [S, R, N] (B^T)."""
 
     def __init__(self, ctx: LoRAContext, targets: list[str], in_features: int, out_parts: list[int],
                  row_parallel: bool, tp, rank: int, device, dtype) -> None:
@@ -50,14 +51,14 @@ class LoRALinear:
             bounds.append(bounds[-1] + n)
         self.bounds = tuple(bounds)
         self.rank = rank
-        self.a = torch.zeros((s, len(targets) * rank, self.k), dtype=dtype, device=device)
-        self.b = torch.zeros((s, bounds[-1], rank), dtype=dtype, device=device)
+        self.at = torch.zeros((s, self.k, len(targets) * rank), dtype=dtype, device=device)
+        self.bt = torch.zeros((s, rank, bounds[-1]), dtype=dtype, device=device)
 
     def load(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill `slot` from full (unsharded) A [r, in] and B [out, r] per target; a target the
         adapter lacks stays zero."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.at[slot].zero_()
+        self.bt[slot].zero_()
         for p, target in enumerate(self.targets):
             if target not in pieces:
                 continue
@@ -68,15 +69,15 @@ class LoRALinear:
             else:
                 n = self.parts[p]
                 b = b[self.tp.rank * n:(self.tp.rank + 1) * n]
-            self.a[slot, p * self.rank:p * self.rank + r] = a.to(self.a.dtype)
+            self.at[slot, :, p * self.rank:p * self.rank + r] = a.t().to(self.at.dtype)
             lo, hi = self.bounds[p], self.bounds[p + 1]
-            self.b[slot, lo:hi, :r] = b.to(self.b.dtype)
+            self.bt[slot, :r, lo:hi] = b.t().to(self.bt.dtype)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         batch = self.ctx.batch
         if batch is None:
             return y
-        return self.ctx.ops.add_lora(y, x, self.a, self.b, self.ctx.scale, self.bounds, batch)
+        return self.ctx.ops.add_lora(y, x, self.at, self.bt, self.ctx.scale, self.bounds, batch)
 
 
 class LoRAManager:

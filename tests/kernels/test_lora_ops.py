@@ -25,23 +25,24 @@ def _case(t=7, k=40, parts=(24, 8, 8), r=4, s=3, dtype=torch.float32, seed=0):
     bounds = (0, *torch.tensor(parts).cumsum(0).tolist())
     x = torch.randn(t, k, generator=g).to(dtype)
     y = torch.randn(t, n, generator=g).to(dtype)
-    a = (torch.randn(s, p * r, k, generator=g) * 0.3).to(dtype)
-    b = (torch.randn(s, n, r, generator=g) * 0.3).to(dtype)
+    a = (torch.randn(s, k, p * r, generator=g) * 0.3).to(dtype)  # A^T of every part, stacked
+    b = (torch.randn(s, r, n, generator=g) * 0.3).to(dtype)  # B^T
     scale = torch.rand(s, generator=g) + 0.5
     return y, x, a, b, scale, bounds
 
 
 def _naive(y, x, a, b, scale, bounds, slots):
-    """fp64, row by row, part by part."""
+    """fp64, row by row, part by part: y[t] += B_p @ (A_p @ x[t]) * scale."""
     out = y.double().clone()
-    r = b.shape[2]
+    r = b.shape[1]
     for t, s in enumerate(slots):
         if s < 0:
             continue
-        h = a[s].double() @ x[t].double()
         for p in range(len(bounds) - 1):
             lo, hi = bounds[p], bounds[p + 1]
-            out[t, lo:hi] += (b[s, lo:hi].double() @ h[p * r:(p + 1) * r]) * float(scale[s])
+            a_p = a[s, :, p * r:(p + 1) * r].t().double()  # [r, K]
+            b_p = b[s, :, lo:hi].t().double()  # [N_p, r]
+            out[t, lo:hi] += (b_p @ (a_p @ x[t].double())) * float(scale[s])
     return out
 
 
