@@ -1,4 +1,4 @@
-/* LoRA deltas of a mixed-adapter batch on CPUs, fp32 (BGMV: each row names its adapter slot).
+/* LoRA deltas of a mixed-adapter batch on CPUs, fp32 (SGMV/BGMV: each row names its adapter slot).
  *
  *   h[t, j]   = sum_k x[t, k] * at[s, k, j]                 (shrink: j < P*R, s = slots[t])
  *   y[t, o]  += (sum_r h[t, p(o)*R + r] * bt[s, r, o]) * scale[s]   (expand: p(o) the part of o)
@@ -9,21 +9,25 @@
  *
  * Both weights are stored transposed so the innermost loop runs along contiguous outputs (j, o),
  * one sum per output lane: it vectorizes without horizontal sums, and each output's sum runs in
- * index order k = 0..K-1 (r = 0..R-1), built with -ffp-contract=off. So a row's bits depend on its
- * own x, its adapter and R (the slot table's rank, fixed at start) only, never on the other rows,
- * their adapters or the thread count. Built on first use by kernels/cpu_native.py; kernels/lora.py
- * holds the torch twin.
+ * index order k = 0..K-1 (r = 0..R-1), built with -ffp-contract=off. Rows of one adapter are taken
+ * GROUP at a time (Punica's SGMV: each weight row read once for the group, not once per row); the
+ * grouping changes which rows share a pass, never the order of a row's own sums. So a row's bits
+ * depend on its own x, its adapter and R (the slot table's rank, fixed at start) only, never on the
+ * other rows, their adapters or the thread count. Built on first use by kernels/cpu_native.py;
+ * kernels/lora.py holds the torch twin.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PAR_MIN 32768 /* multiply-adds below which threads cost more than they save */
 #define OBLOCK 256    /* expand outputs per tile: its sums stay in L1 while B's rows stream */
 #define MAX_PR 1024   /* P*R of a shrink (3 parts of rank 256 at most) */
+#define GROUP 4       /* rows of one adapter per pass */
 
 /* y: [T, N] (row stride ldy), x: [T, K] (row stride ldx), at: [S, K, P*R], bt: [S, R, N],
  * scale: [S], slots: [T] int32 (-1 = none), bounds: [P+1] output offsets (bounds[P] = N),
- * h: [T, P*R] scratch. Returns -1 on a bad shape or a slot outside [-1, S). */
+ * h: [T, P*R] scratch. Returns -1 on a bad shape or a slot outside [-1, S), -2 out of memory. */
 int zs_lora_f32(float *y, int64_t ldy, const float *x, int64_t ldx, const float *at, const float *bt,
                 const float *scale, const int32_t *slots, const int64_t *bounds, float *h, int P, int T,
                 int K, int N, int R, int S, int threads) {
@@ -32,12 +36,27 @@ int zs_lora_f32(float *y, int64_t ldy, const float *x, int64_t ldx, const float 
         return -1;
     for (int p = 0; p < P; p++)
         if (bounds[p + 1] < bounds[p]) return -1;
-    int active = 0;
-    for (int t = 0; t < T; t++) {
+    for (int t = 0; t < T; t++)
         if (slots[t] < -1 || slots[t] >= S) return -1;
-        active += slots[t] >= 0;
+    /* rows by slot (counting sort), then groups of up to GROUP rows of one slot */
+    int *count = calloc((size_t)S + 1, sizeof(int));
+    int *order = malloc(sizeof(int) * (size_t)(T > 0 ? T : 1));
+    int *gstart = malloc(sizeof(int) * (size_t)(T + 1));
+    if (!count || !order || !gstart) {
+        free(count), free(order), free(gstart);
+        return -2;
     }
-    if (active == 0) return 0;
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= 0) count[slots[t] + 1]++;
+    for (int s = 0; s < S; s++) count[s + 1] += count[s];
+    const int active = count[S];
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= 0) order[count[slots[t]]++] = t;
+    int ng = 0;
+    for (int i = 0; i < active; i++)
+        if (ng == 0 || i - gstart[ng - 1] == GROUP || slots[order[i]] != slots[order[gstart[ng - 1]]])
+            gstart[ng++] = i;
+    gstart[ng] = active;
     const int PR = P * R;
     const int nob = (N + OBLOCK - 1) / OBLOCK;
     const int64_t work = (int64_t)active * PR * K + (int64_t)active * N * R;
@@ -45,52 +64,58 @@ int zs_lora_f32(float *y, int64_t ldy, const float *x, int64_t ldx, const float 
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            const int s = slots[t];
-            if (s < 0) continue;
-            float acc[MAX_PR];
-            memset(acc, 0, sizeof(float) * PR);
-            const float *xt = x + t * ldx;
-            const float *a = at + (int64_t)s * K * PR;
+        for (int g = 0; g < ng; g++) {
+            const int n = gstart[g + 1] - gstart[g];
+            const int *rows = order + gstart[g];
+            const float *a = at + (int64_t)slots[rows[0]] * K * PR;
+            float acc[GROUP][MAX_PR];
+            for (int i = 0; i < n; i++) memset(acc[i], 0, sizeof(float) * PR);
             for (int k = 0; k < K; k++) {
-                const float xv = xt[k];
                 const float *row = a + (int64_t)k * PR;
-                for (int j = 0; j < PR; j++) {
-                    const float m = xv * row[j];
-                    acc[j] += m;
+                for (int i = 0; i < n; i++) {
+                    const float xv = x[rows[i] * ldx + k];
+                    for (int j = 0; j < PR; j++) {
+                        const float m = xv * row[j];
+                        acc[i][j] += m;
+                    }
                 }
             }
-            memcpy(h + (int64_t)t * PR, acc, sizeof(float) * PR);
+            for (int i = 0; i < n; i++) memcpy(h + (int64_t)rows[i] * PR, acc[i], sizeof(float) * PR);
         }
 #pragma omp for collapse(2) schedule(static)
-        for (int t = 0; t < T; t++)
+        for (int g = 0; g < ng; g++)
             for (int ob = 0; ob < nob; ob++) {
-                const int s = slots[t];
-                if (s < 0) continue;
+                const int n = gstart[g + 1] - gstart[g];
+                const int *rows = order + gstart[g];
+                const int s = slots[rows[0]];
                 const int o0 = ob * OBLOCK, o1 = o0 + OBLOCK < N ? o0 + OBLOCK : N;
-                float acc[OBLOCK];
-                const float *ht = h + (int64_t)t * PR;
                 const float *b = bt + (int64_t)s * R * N;
-                float *yt = y + t * ldy;
+                float acc[GROUP][OBLOCK];
                 for (int p = 0; p < P; p++) { /* the part of the tile in part p */
                     const int lo = bounds[p] > o0 ? (int)bounds[p] : o0;
                     const int hi = bounds[p + 1] < o1 ? (int)bounds[p + 1] : o1;
                     if (lo >= hi) continue;
-                    memset(acc, 0, sizeof(float) * (hi - lo));
+                    for (int i = 0; i < n; i++) memset(acc[i], 0, sizeof(float) * (hi - lo));
                     for (int r = 0; r < R; r++) {
-                        const float hv = ht[p * R + r];
                         const float *brow = b + (int64_t)r * N + lo;
-                        for (int o = 0; o < hi - lo; o++) {
-                            const float m = hv * brow[o];
-                            acc[o] += m;
+                        for (int i = 0; i < n; i++) {
+                            const float hv = h[(int64_t)rows[i] * PR + p * R + r];
+                            for (int o = 0; o < hi - lo; o++) {
+                                const float m = hv * brow[o];
+                                acc[i][o] += m;
+                            }
                         }
                     }
-                    for (int o = 0; o < hi - lo; o++) {
-                        const float v = acc[o] * scale[s];
-                        yt[lo + o] += v;
+                    for (int i = 0; i < n; i++) {
+                        float *yt = y + rows[i] * ldy + lo;
+                        for (int o = 0; o < hi - lo; o++) {
+                            const float v = acc[i][o] * scale[s];
+                            yt[o] += v;
+                        }
                     }
                 }
             }
     }
+    free(count), free(order), free(gstart);
     return 0;
 }
