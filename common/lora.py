@@ -6,6 +6,13 @@ An adapter is a directory with `adapter_config.json` (PEFT's LoraConfig: `r`, `l
 `[r, in_features]` and B `[out_features, r]`. The delta a target adds is
 `x @ A^T @ B^T * scaling`, scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
 
+Or a llama.cpp adapter GGUF (convert_lora_to_gguf.py's output: `general.type` = adapter,
+`adapter.type` = lora, `adapter.lora.alpha`; tensors `blk.{i}.{attn_q|...|ffn_down}.weight.lora_a`
+/ `.lora_b`, the same A and B, scaling alpha / r as llama.cpp computes it, 1 when alpha is 0).
+Its spec names the tensors as PEFT would (`shapes`), `file_keys` maps them to the file's; for the
+architectures whose q/k rows llama.cpp permutes (llama, granite) B's rows of q_proj / k_proj are
+permuted too (`permuted`), which the worker undoes on load.
+
 This module is what the scheduler and the gateway need (no torch): the names and paths of
 `--lora-modules`, and `check_adapter`, which reads only the config and the safetensors header
 and raises InvalidRequest naming whatever does not fit the base model: an unsupported option, a
@@ -48,7 +55,10 @@ class AdapterSpec:
     alpha: float
     use_rslora: bool
     base_model: str | None
-    shapes: dict[str, tuple[int, ...]]  # tensor name in the file -> shape
+    shapes: dict[str, tuple[int, ...]]  # tensor name (PEFT's) -> shape
+    format: str = "peft"  # or "gguf": the file itself is `path`
+    file_keys: dict[str, str] | None = None  # gguf: PEFT's name -> the file's tensor name
+    permuted: bool = False  # gguf: q_proj / k_proj B rows in llama.cpp's rotary order
 
     @property
     def scaling(self) -> float:
@@ -111,6 +121,8 @@ def read_adapter(name: str, path: str | Path) -> AdapterSpec:
     check_name(name)
     d = Path(path)
     where = f"LoRA adapter {name!r} ({d})"
+    if d.suffix == ".gguf" and d.is_file():
+        return _read_gguf_adapter(name, d, where)
     if not (d / CONFIG_FILE).is_file():
         raise InvalidRequest(f"{where}: no {CONFIG_FILE} (a PEFT adapter directory is expected)")
     if not (d / WEIGHTS_FILE).is_file():
@@ -163,6 +175,50 @@ def read_adapter(name: str, path: str | Path) -> AdapterSpec:
         raise bad(f"{WEIGHTS_FILE} holds no LoRA weights")
     spec = AdapterSpec(name, str(d), r, float(alpha), bool(cfg.get("use_rslora", False)),
                        cfg.get("base_model_name_or_path"), shapes)
+    _check_pairs(spec, bad)
+    return spec
+
+
+_GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_(a|b)$")
+_GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+                 "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_PERMUTED_ARCHS = ("llama", "granite")  # as services/worker/model/gguf_loader.py un-permutes the base
+
+
+def _read_gguf_adapter(name: str, path: Path, where: str) -> AdapterSpec:
+    from zeroserve.common.errors import ModelLoadError
+    from zeroserve.common.gguf_config import open_gguf
+
+    def bad(msg: str) -> InvalidRequest:
+        return InvalidRequest(f"{where}: {msg}")
+
+    try:
+        gf = open_gguf(path)
+    except ModelLoadError as e:
+        raise bad(str(e)) from None
+    md = gf.metadata
+    if md.get("general.type") != "adapter" or md.get("adapter.type") != "lora":
+        raise bad(f"not a LoRA adapter GGUF (general.type {md.get('general.type')!r}, adapter.type "
+                  f"{md.get('adapter.type')!r}; expected 'adapter' and 'lora')")
+    shapes, keys = {}, {}
+    for tname, t in gf.tensors.items():
+        m = _GGUF_KEY.match(tname)
+        if m is None or m[2] not in _GGUF_TARGETS:
+            raise bad(f"tensor {tname!r} is not a LoRA A/B of a decoder layer's linear; LoRA applies to "
+                      f"{', '.join(_GGUF_TARGETS)}")
+        if t.type_name not in _FLOAT_DTYPES:
+            raise bad(f"tensor {tname!r} is {t.type_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
+        target = _GGUF_TARGETS[m[2]]
+        key = f"base_model.model.model.layers.{m[1]}.{'self_attn' if target in ATTN_TARGETS else 'mlp'}." \
+              f"{target}.lora_{m[3].upper()}.weight"
+        shapes[key], keys[key] = tuple(t.shape), tname
+    ranks = {shape[0] for key, shape in shapes.items() if key.endswith("lora_A.weight") and len(shape) == 2}
+    if len(ranks) != 1:
+        raise bad(f"its lora_a tensors have ranks {sorted(ranks)}; one rank for every target is served")
+    r = ranks.pop()
+    alpha = float(md.get("adapter.lora.alpha", 0.0)) or float(r)  # llama.cpp: alpha 0 = scale 1
+    arch = md.get("general.architecture")
+    spec = AdapterSpec(name, str(path), r, alpha, False, arch, shapes, "gguf", keys, arch in _PERMUTED_ARCHS)
     _check_pairs(spec, bad)
     return spec
 

@@ -55,3 +55,37 @@ def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompt: Se
                              eos_token_id=[], pad_token_id=0)
         _GEN[key] = out[0, ids.shape[1]:].tolist()
     return list(_GEN[key])
+
+
+def peft_to_gguf(adapter_dir: str | Path, out: str | Path, arch: str, n_head: int, n_kv_head: int,
+                 qtype: str = "F32") -> Path:
+    """A PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it: `general.type` adapter,
+    `adapter.type` lora, `adapter.lora.alpha`; `blk.{i}.{attn_q|...}.weight.lora_a` / `.lora_b`,
+    with B's q/k rows permuted like the base weights for llama (tests/gguf_export.py's permute)."""
+    import gguf
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from tests.gguf_export import LAYER_MAP, llamacpp_permute
+
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
+    for key, t in sorted(load_file(str(Path(adapter_dir) / "adapter_model.safetensors")).items()):
+        rest = key.removeprefix("base_model.model.model.layers.")
+        idx, rest = rest.split(".", 1)
+        module, ab = rest.rsplit(".lora_", 1)  # "self_attn.q_proj", "A.weight"
+        t = t.astype(np.float32)
+        if ab.startswith("B") and arch == "llama" and module.endswith(("q_proj", "k_proj")):
+            t = llamacpp_permute(t, n_head if module.endswith("q_proj") else n_kv_head)
+        name = f"blk.{idx}.{LAYER_MAP[module + '.weight']}.lora_{ab[0].lower()}"
+        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32 if qtype == "F32" else np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

@@ -153,3 +153,23 @@ def test_packed_gguf_base(base, adapters, tmp_path):
     base_alone = [o.outputs[0].token_ids for o in packed.generate([prompts[1], prompts[4]], _params())]
     assert base_alone == [got[1], got[4]]
     assert got[0] != packed.generate([prompts[0]], _params())[0].outputs[0].token_ids  # the delta applies
+
+
+def test_gguf_adapter_on_gguf_base(base, adapters, tmp_path):
+    """llama.cpp's adapter GGUF (B's q/k rows permuted as its converter does for llama) on a GGUF
+    base: the same tokens as the PEFT adapter it was made from, which equal HF + PEFT's."""
+    from tests.gguf_export import export_hf_dir
+    from tests.lora_ref import peft_to_gguf
+
+    cfg = json.loads((base / "config.json").read_text())
+    gguf_base = export_hf_dir(base, tmp_path / "llama-f32.gguf", "F32")
+    a1 = peft_to_gguf(adapters["a1"], tmp_path / "a1.gguf", "llama", cfg["num_attention_heads"],
+                      cfg["num_key_value_heads"], "F16")
+    llm = LLM(str(gguf_base), lora_modules=[f"g1={a1}", f"p1={adapters['a1']}"], num_kv_blocks=256)
+    prompts = [random_prompt(8 + 5 * i, seed=80 + i) for i in range(3)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, _params(), lora="g1")]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, _params(), lora="p1")]
+    assert got == want  # F16 A and B: the same greedy tokens as the fp32 PEFT file
+    assert got[0] == peft_greedy(base, adapters["a1"], prompts[0], N)
+    with pytest.raises(InvalidRequest, match="not a LoRA adapter GGUF"):
+        llm.load_lora_adapter("base-as-adapter", str(gguf_base))

@@ -161,9 +161,8 @@ class LoRAManager:
 
     def _load(self, slot: int, spec: AdapterSpec) -> None:
         per_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        with safe_open(f"{spec.path}/adapter_model.safetensors", framework="pt") as f:
-            for (layer, target), (ka, kb) in spec.targets().items():
-                per_layer.setdefault(layer, {})[target] = (f.get_tensor(ka).float(), f.get_tensor(kb).float())
+        for (layer, target), ab in read_tensors(spec, self.cfg.head_dim).items():
+            per_layer.setdefault(layer, {})[target] = ab
         for (layer, _), lin in self.linears.items():
             lin.load(slot, per_layer.get(layer, {}))
         self.ctx.scale[slot] = spec.scaling
@@ -171,6 +170,31 @@ class LoRAManager:
     def set_batch(self, row_slots) -> None:
         """Which slot each row of the next forward uses (-1: none); None or all -1: no adapter."""
         self.ctx.batch = None if row_slots is None else LoRABatch.from_rows(row_slots, self.device)
+
+
+def read_tensors(spec: AdapterSpec, head_dim: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, target) -> (A [r, in], B [out, r]) in fp32, in HF's row order, from either format."""
+    out = {}
+    if spec.format == "gguf":
+        from zeroserve.common.gguf_config import open_gguf
+        from zeroserve.services.worker.model.gguf_loader import dequantize_rows, unpermute_rows
+
+        gf = open_gguf(spec.path)
+
+        def get(key: str) -> torch.Tensor:
+            t = gf.tensors[spec.file_keys[key]]
+            return dequantize_rows(gf.raw_rows(t), t.type_name).float().reshape(t.shape)
+
+        for (layer, target), (ka, kb) in spec.targets().items():
+            b = get(kb)
+            if spec.permuted and target in ("q_proj", "k_proj"):  # B's rows, as the base weight's
+                b = unpermute_rows(b, head_dim)
+            out[(layer, target)] = (get(ka), b)
+        return out
+    with safe_open(f"{spec.path}/adapter_model.safetensors", framework="pt") as f:
+        for (layer, target), (ka, kb) in spec.targets().items():
+            out[(layer, target)] = (f.get_tensor(ka).float(), f.get_tensor(kb).float())
+    return out
 
 
 def make_lora(args, runner) -> LoRAManager | None:
