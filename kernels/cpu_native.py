@@ -228,7 +228,7 @@ _OPS = _Native(OPS_SOURCE, OPS_CFLAGS, _bind_ops, "norms, rotary and the KV writ
 
 def _bind_step(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.zs_decode_step_f32
-    f.restype, f.argtypes = I, [P, P, P, P, P, P, P, I64, P, I, I]
+    f.restype, f.argtypes = I, [P, P, P, P, P, P, P, I64, P, I, I, P]
     return lib
 
 
@@ -237,7 +237,7 @@ _STEP = _Native(STEP_SOURCE, OPS_CFLAGS, _bind_step, "decode steps run layer by 
 
 def _bind_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.zs_lora_f32
-    f.restype, f.argtypes = I, [P, I64, P, I64, P, P, P, P, P, P, I, I, I, I, I, I, I]
+    f.restype, f.argtypes = I, [P, I64, P, I64, P, P, P, P, P, I, I, I, I, I, I, I]
     return lib
 
 

@@ -88,14 +88,13 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, at: torch.Tensor, bt: torch.T
         return add_lora_twin(y, x, at, bt, scale, bounds, batch)
     _check(y, x, at, bt, scale, bounds)
     t, n = y.shape
-    s, k, pr = at.shape
+    s, k, _ = at.shape
     bnd = torch.tensor(bounds, dtype=torch.int64)
-    tmp = torch.empty((t, pr), dtype=torch.float32)
     sc = scale.float().contiguous()
     slots = batch.slots.contiguous()
     rc = lib.zs_lora_f32(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), at.data_ptr(), bt.data_ptr(),
-                         sc.data_ptr(), slots.data_ptr(), bnd.data_ptr(), tmp.data_ptr(), len(bounds) - 1, t, k, n,
-                         bt.shape[1], s, torch.get_num_threads())
+                         sc.data_ptr(), slots.data_ptr(), bnd.data_ptr(), len(bounds) - 1, t, k, n, bt.shape[1], s,
+                         torch.get_num_threads())
     if rc != 0:
         raise ValueError("add_lora: the compiled kernel refused its arguments (a slot outside the table?)")
     return y

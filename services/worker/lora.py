@@ -101,7 +101,9 @@ class LoRAManager:
                 self._attach(i, layer.mlp.gate_up_proj, ["gate_proj", "up_proj"], c.hidden_size, [n, n], False, tp,
                              dtype)
                 self._attach(i, layer.mlp.down_proj, ["down_proj"], n, [c.hidden_size], True, tp, dtype)
-        model.lora_ctx = self.ctx  # the compiled decode step stands aside while a batch has adapters
+        model.lora_ctx = self.ctx
+        if model.__dict__.get("_step") is not None:  # built already: again, with the adapters' slots
+            model.set_cpu_step(True)
         self.slot_of: OrderedDict[tuple[str, str], int] = OrderedDict()  # (name, path) -> slot, LRU first
         self.pins = [0] * max_loras  # live requests per slot
         self.free = list(range(max_loras))[::-1]

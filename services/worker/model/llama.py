@@ -234,9 +234,9 @@ class CausalLM(nn.Module):
             hidden = hidden * self.cfg.embedding_multiplier
         positions = self.rotary.rope_positions(positions, meta)  # LongRoPE: short or long rows
         step = self._cpu_step()
-        if step is not None and (self.lora_ctx is None or self.lora_ctx.batch is None) \
-                and step.applies(meta, hidden, kv_caches):
-            return step(hidden, positions, kv_caches, meta)  # the same layers, in one compiled call
+        lora = self.lora_ctx.batch if self.lora_ctx is not None else None  # this step's adapter rows
+        if step is not None and (lora is None or step.has_lora) and step.applies(meta, hidden, kv_caches):
+            return step(hidden, positions, kv_caches, meta, lora)  # the same layers, in one compiled call
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta)
