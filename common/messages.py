@@ -267,6 +267,9 @@ class Hello(Message, kw_only=True):
     # policy reserves KV slots for that many lookahead tokens of each decoding request
     num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+    # LoRA adapter slots (--max-loras; 0 = serves no adapters): the scheduler routes adapter
+    # requests only to groups that have some, and runs at most this many adapters at once there
+    max_loras: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
     def check(self) -> str | None:
         if not self.tp_rank < self.tp_size:

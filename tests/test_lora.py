@@ -173,3 +173,11 @@ def test_gguf_adapter_on_gguf_base(base, adapters, tmp_path):
     assert got[0] == peft_greedy(base, adapters["a1"], prompts[0], N)
     with pytest.raises(InvalidRequest, match="not a LoRA adapter GGUF"):
         llm.load_lora_adapter("base-as-adapter", str(gguf_base))
+
+
+def test_no_adapters_without_enable_lora(base, adapters):
+    llm = LLM(str(base), num_kv_blocks=64)
+    with pytest.raises(InvalidRequest, match="serves no LoRA adapters"):
+        llm.load_lora_adapter("a1", str(adapters["a1"]))
+    with pytest.raises(InvalidRequest, match="'a1' is not served"):
+        llm.generate([[5, 6, 7]], _params(), lora="a1")

@@ -124,6 +124,7 @@ def sample_messages() -> dict[type, list]:
                 memory=M.ShardMemory(rss_bytes=3 << 30, param_bytes=1 << 30, kv_bytes=60 << 30),
             ),
             M.Hello(role="detokenizer", worker_id="detok-1"),
+            M.Hello(role="worker", worker_id="w-lora", max_loras=8),
         ],
         M.Welcome: [
             M.Welcome(

@@ -28,6 +28,8 @@ class LLM:
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at `path` as `name` (checked against the model: an adapter that
         does not fit raises InvalidRequest naming what is wrong)."""
+        if self.engine.runner.lora is None:
+            raise InvalidRequest("this LLM serves no LoRA adapters; create it with enable_lora=True (or lora_modules)")
         self.engine.loras.add(name, path, self.engine.model_cfg, self.engine.loras_parent)
 
     def unload_lora_adapter(self, name: str) -> None:

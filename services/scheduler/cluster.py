@@ -222,8 +222,10 @@ class Cluster:
     def _route(self, live: Live) -> None:
         """Pick the group for a request: prefix-cache hits first, then the least loaded."""
         best, best_key = None, None
+        lora_path = live.seqs[0].req.lora_path if live.seqs else None
         for g in self.groups.ready(live.model):
-            lora_path = live.seqs[0].req.lora_path if live.seqs else None
+            if lora_path is not None and not g.policy.max_loras_per_batch:
+                continue  # its workers serve no adapters (no --enable-lora)
             hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids, lora_path) if live.prompt_ids else 0
             crowded = g.load() >= g.policy.max_num_seqs  # a hit is worth little behind a full batch
             key = (not crowded and hit > 0, hit if not crowded else 0, -g.load(), g.policy.bm.num_free_blocks)

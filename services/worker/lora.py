@@ -22,7 +22,16 @@ import torch
 from safetensors import safe_open
 
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.common.lora import AdapterSpec, check_adapter, read_adapter
+from zeroserve.common.lora import (
+    ATTN_TARGETS,
+    CONFIG_FILE,
+    TARGETS,
+    WEIGHTS_FILE,
+    AdapterSpec,
+    check_adapter,
+    read_adapter,
+    target_shapes,
+)
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.kernels.lora import LoRABatch
 
@@ -193,7 +202,7 @@ def read_tensors(spec: AdapterSpec, head_dim: int) -> dict[tuple[int, str], tupl
                 b = unpermute_rows(b, head_dim)
             out[(layer, target)] = (get(ka), b)
         return out
-    with safe_open(f"{spec.path}/adapter_model.safetensors", framework="pt") as f:
+    with safe_open(f"{spec.path}/{WEIGHTS_FILE}", framework="pt") as f:
         for (layer, target), (ka, kb) in spec.targets().items():
             out[(layer, target)] = (f.get_tensor(ka).float(), f.get_tensor(kb).float())
     return out
@@ -225,3 +234,28 @@ def acquire_slots(lora: LoRAManager | None, new_reqs) -> list[int]:
             lora.release(s)
         raise
     return slots
+
+
+def write_random_adapter(path, cfg: ModelConfig, rank: int, seed: int, std: float = 0.02,
+                         targets: tuple[str, ...] = TARGETS) -> str:
+    """Write a PEFT adapter for model `cfg` with random A and B ~ N(0, std^2) and lora_alpha = 2 *
+    rank at `path` (a directory); for benchmarks and tests that need adapters without training."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for t in targets:
+            fin, fout = target_shapes(cfg, t)
+            key = f"base_model.model.model.layers.{layer}.{'self_attn' if t in ATTN_TARGETS else 'mlp'}.{t}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=g) * std
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(d / WEIGHTS_FILE))
+    (d / CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                             "target_modules": list(targets), "use_rslora": False, "bias": "none"}))
+    return str(d)

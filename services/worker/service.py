@@ -141,7 +141,8 @@ class WorkerService:
                        block_size=r.block_size, num_lookahead_tokens=r.num_lookahead_tokens,
                        max_model_len=self.args.max_model_len or
                        self.model_cfg.max_position_embeddings, memory=mem,
-                       dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None)
+                       dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None,
+                       max_loras=r.lora.num_slots if r.lora is not None else 0)
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         """After WELCOME: the tensor-parallel group, then the step socket subscribed to our topic."""
