@@ -181,3 +181,25 @@ def test_no_adapters_without_enable_lora(base, adapters):
         llm.load_lora_adapter("a1", str(adapters["a1"]))
     with pytest.raises(InvalidRequest, match="'a1' is not served"):
         llm.generate([[5, 6, 7]], _params(), lora="a1")
+
+
+def test_bf16_mode(base, adapters):
+    """bf16 compute (adapter slots in bf16, the twin's matmuls): each adapter's first token equals
+    the fp32 run's where fp32's top two are far apart, and the adapters still change the output."""
+    mods = [f"{k}={adapters[k]}" for k in ("a1", "a3")]
+    prompts = [random_prompt(10 + i, seed=90 + i) for i in range(6)]
+    names = ["a1", "a3", None] * 2
+    fp32 = LLM(str(base), lora_modules=mods, num_kv_blocks=128).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2), lora=names)
+    bf = LLM(str(base), lora_modules=mods, dtype="bfloat16", num_kv_blocks=128)
+    assert bf.engine.runner.lora.linears[(0, "q_proj")].at.dtype == torch.bfloat16
+    got = bf.generate(prompts, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), lora=names)
+    clear = 0
+    for f, g in zip(fp32, got):
+        top = sorted((lp.logprob for lp in f.outputs[0].logprobs[0].values()), reverse=True)
+        if top[0] - top[1] > 0.5:
+            assert g.outputs[0].token_ids[0] == f.outputs[0].token_ids[0]
+            clear += 1
+    assert clear >= 2
+    base_out = bf.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in base_out] != [o.outputs[0].token_ids for o in got[:2]]
