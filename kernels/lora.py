@@ -20,22 +20,22 @@ contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 __all__ = ["LoRABatch", "add_lora_cpu", "add_lora_triton", "add_lora_twin"]
 
 
-@dataclass
 class LoRABatch:
     """Which adapter slot each row of a step's flat batch uses, computed once per step.
 
     `slots[T]` int32 on the device (-1 = base model); `groups`: (slot, row indices) of every slot
-    some row uses, for the twin's gathers (host-built: no device sync inside the layers)."""
+    some row uses, for the twin's gathers, built on first use (the C and Triton kernels read
+    `slots` only) from the host copy, so the layers never wait on the device for them."""
 
-    slots: torch.Tensor
-    groups: list[tuple[int, torch.Tensor]]
+    def __init__(self, host_slots: torch.Tensor, device) -> None:
+        self._host = host_slots
+        self.slots = host_slots.to(device)
+        self._groups: list[tuple[int, torch.Tensor]] | None = None
 
     @classmethod
     def from_rows(cls, row_slots: list[int] | torch.Tensor, device) -> LoRABatch | None:
@@ -43,12 +43,15 @@ class LoRABatch:
         s = torch.as_tensor(row_slots, dtype=torch.int32)
         if s.numel() == 0 or int(s.max()) < 0:
             return None
-        groups = [(int(v), torch.nonzero(s == v).reshape(-1).to(device)) for v in torch.unique(s).tolist() if v >= 0]
-        return cls(s.to(device), groups)
+        return cls(s, device)
 
-    def select(self, rows: torch.Tensor) -> LoRABatch | None:
-        """The batch restricted to `rows` (e.g. the rows that sample)."""
-        return LoRABatch.from_rows(self.slots.cpu()[rows.cpu()], self.slots.device)
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        if self._groups is None:
+            s, dev = self._host, self.slots.device
+            self._groups = [(int(v), torch.nonzero(s == v).reshape(-1).to(dev)) for v in torch.unique(s).tolist()
+                            if v >= 0]
+        return self._groups
 
 
 def _check(y, x, at, bt, scale, bounds) -> None:

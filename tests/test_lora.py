@@ -84,6 +84,7 @@ def test_lru_slots_and_runtime_load(base, adapters):
     for name in ("a1", "a2", "a1", "a4"):
         got = llm.generate([p], _params(), lora=name)[0].outputs[0].token_ids
         assert got == peft_greedy(base, adapters[name], p, N), name
+        assert llm.engine.runner.lora.resident() == [name]  # the one slot holds the last one used
     # two adapters in one batch with one slot: the policy runs them one after the other
     both = llm.generate([p, p], _params(), lora=["a2", "a4"])
     assert [o.outputs[0].token_ids for o in both] == [peft_greedy(base, adapters[n], p, N) for n in ("a2", "a4")]

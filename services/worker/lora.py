@@ -127,6 +127,7 @@ class LoRAManager:
         return len(self.pins)
 
     def resident(self) -> list[str]:
+        """The adapters in slots, least recently used first."""
         return [name for name, _ in self.slot_of]
 
     def acquire(self, name: str, path: str) -> int:
