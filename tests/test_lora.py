@@ -204,3 +204,26 @@ def test_bf16_mode(base, adapters):
     assert clear >= 2
     base_out = bf.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in base_out] != [o.outputs[0].token_ids for o in got[:2]]
+
+
+def test_slots_are_pinned_while_requests_hold_them(base, adapters):
+    """A slot held by a live request is never evicted; with every slot held, another adapter is
+    refused naming --max-loras; a request sent again in full (resync) does not leak its pin."""
+    from zeroserve.common.messages import NewRequest, Step
+
+    llm = LLM(str(base), enable_lora=True, max_loras=1, num_kv_blocks=64)
+    runner, lora = llm.engine.runner, llm.engine.runner.lora
+
+    def new(rid, name):
+        return NewRequest(req_id=rid, token_ids=[5, 6, 7], num_prompt_tokens=3, block_ids=[0],
+                          params=SamplingParams(lora=name), lora_path=str(adapters[name]), num_scheduled_tokens=3)
+
+    runner.apply_state(Step(seq=1, new_reqs=[new("r1", "a1")]))
+    assert lora.pins == [1]
+    runner.apply_state(Step(seq=2, new_reqs=[new("r1", "a1")]))  # the same request again: still one pin
+    assert lora.pins == [1]
+    with pytest.raises(InvalidRequest, match=r"all 1 adapter slots \(--max-loras\) are held"):
+        runner.apply_state(Step(seq=3, new_reqs=[new("r2", "a2")]))
+    assert "r2" not in runner.reqs and lora.resident() == ["a1"]
+    runner.apply_state(Step(seq=4, finished_req_ids=["r1"], new_reqs=[new("r2", "a2")]))
+    assert lora.pins == [1] and lora.resident() == ["a2"]

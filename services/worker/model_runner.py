@@ -142,6 +142,9 @@ class ModelRunner:
                 self.lora.release(st.lora_slot)
         slots = acquire_slots(self.lora, step.new_reqs)
         for n, slot in zip(step.new_reqs, slots):
+            old = self.reqs.get(n.req_id)  # sent again in full (a resync): its old slot's pin goes
+            if old is not None and old.lora_slot >= 0:
+                self.lora.release(old.lora_slot)
             self.reqs[n.req_id] = _ReqState(n.token_ids.tolist(), n.num_prompt_tokens, n.params, n.seed,
                                             n.block_ids.tolist(), n.num_computed_tokens, slot)
         c = step.cached
