@@ -147,3 +147,24 @@ def test_failover_keeps_the_adapter(env):
     with c.client(timeout_s=10.0) as cl:  # at least one of them really moved
         requeued = [line for line in cl.metrics().splitlines() if line.startswith("zeroserve:requests_requeued_total")]
     assert requeued and float(requeued[0].split()[-1]) >= 1, requeued
+
+
+def test_tp2_group_serves_adapters(tmp_path):
+    """One tensor-parallel group (2 shards, A and B sharded like the base weights): adapter and
+    base requests in one batch give HF + PEFT's tokens."""
+    base = cached_model_dir("llama")
+    adapters = {"t1": make_adapter(tmp_path / "t1", base, rank=8, seed=21),
+                "t2": make_adapter(tmp_path / "t2", base, rank=4, seed=22, targets=["k_proj", "o_proj", "up_proj"])}
+    c = LocalCluster(base, workers=1, tp=2, num_kv_blocks=128,
+                     scheduler_args=[a for n, p in adapters.items() for a in ("--lora-modules", f"{n}={p}")],
+                     worker_args=["--enable-lora", "--max-loras", "2"])
+    jobs = [(random_prompt(7 + 3 * i, seed=300 + i), name) for i, name in enumerate(["t1", None, "t2", "t1"])]
+    with c.running(groups=1):
+
+        async def run():
+            async with AsyncClient(c.address, timeout_s=30.0) as ac:
+                return await asyncio.gather(*(ac.generate(p, _params(), lora=n) for p, n in jobs))
+
+        outs = asyncio.run(run())
+    for (p, name), o in zip(jobs, outs):
+        assert o.outputs[0].token_ids == peft_greedy(base, adapters[name] if name else None, p, N), name
