@@ -70,3 +70,12 @@ def test_a_group_runs_at_most_its_slots_of_adapters(adapters):
     net.run(lambda: all(net.done(n) for n in ("x", "y", "z")))
     assert max(len(s) for s in seen) == 2 and all(net.got(n)[0] == reference(prompt(8, ord(n)), 6)
                                                    for n in ("x", "y", "z"))
+
+
+def test_bad_lora_settings_are_named(adapters):
+    with pytest.raises(InvalidRequest, match="max_loras_per_batch must be an integer in 1..max_loras"):
+        make_cluster(max_loras=2, max_loras_per_batch=3)
+    with pytest.raises(InvalidRequest, match="is not NAME=PATH"):
+        make_cluster(lora_modules=["just-a-path"])
+    with pytest.raises(InvalidRequest, match="rank 4 is above --max-lora-rank 2"):
+        make_cluster(lora_modules=[f"x={adapters['x']}"], max_lora_rank=2)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class LoRAAdmin:
     def __init__(self, cfg: SchedulerConfig, models: dict) -> None:
         self.cfg, self.models = cfg, models
+        cfg.validate_lora(lambda msg: InvalidRequest(f"scheduler config: {msg}"))
         self.registry = LoRARegistry(cfg.max_lora_rank)
         default = next(iter(models), None)
         for name, path in parse_lora_modules(cfg.lora_modules).items():
