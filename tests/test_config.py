@@ -195,3 +195,16 @@ def test_up_passes_the_gateway_its_nice_value():
     assert (got.nice, got.port) == (4, 8100)
     assert from_cli_args(GatewayArgs, build_parser().parse_args(
         plan_children(build_parser().parse_args(["up"]), "/m", gateway=True)[-1].argv[3:])).nice == 0
+
+
+def test_up_gives_the_lora_flags_to_the_scheduler_and_every_worker():
+    from zeroserve.services.launcher import plan_children
+
+    up = build_parser().parse_args(["up", "--tp", "2", "--lora-modules", "sql=/a/sql", "--lora-modules", "chat=/a/c",
+                                    "--max-loras", "3", "--max-lora-rank", "32"])
+    children = plan_children(up, "/m")
+    sched = from_cli_args(SchedulerConfig, build_parser().parse_args(children[0].argv[3:]))
+    assert (sched.lora_modules, sched.max_loras, sched.max_lora_rank) == (["sql=/a/sql", "chat=/a/c"], 3, 32)
+    for c in children[2:]:
+        e = from_cli_args(EngineArgs, build_parser().parse_args(c.argv[3:]))
+        assert e.lora_enabled and (e.max_loras, e.max_lora_rank) == (3, 32)
