@@ -314,12 +314,3 @@ class LoRARegistry:
         if model is not None and model != parent:
             raise InvalidRequest(f"LoRA adapter {name!r} belongs to model {parent!r}, not {model!r}")
         return params, spec.path
-
-
-def registry_from_args(args: Any, cfg: ModelConfig, parent: str) -> LoRARegistry:
-    """The registry of `args`' LoRA knobs (common/config.py's LoRAArgs) with every
-    `--lora-modules` adapter of model `parent` checked and added."""
-    reg = LoRARegistry(args.max_lora_rank)
-    for name, path in parse_lora_modules(args.lora_modules).items():
-        reg.add(name, path, cfg, parent)
-    return reg

@@ -16,6 +16,7 @@ arrived.
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -43,6 +44,9 @@ from zeroserve.common.schema import (  # noqa: F401 - the field types are part o
 )
 
 PROTOCOL_VERSION = 2
+# an embedding request's pooling of the final-normed hidden states over its prompt: the last
+# token's, or the mean of every position's ("" in a Submit: the model's, common/embeddings.py)
+Pooling = Literal["last", "mean"]
 
 
 # ==================================================================== Client <-> scheduler
@@ -86,8 +90,17 @@ class Submit(Message):
     model_defaults: Annotated[list[ModelDefaultField], msgspec.Meta(max_length=16)] = []
     # chat only: OpenAI function definitions the chat template shows the model
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None
+    # "embed": a prefill-only request whose answer is the pooled hidden state of its prompt (one
+    # Output with `embedding`, no tokens); its blocks are freed once the prefill has run
+    kind: Literal["generate", "embed"] = "generate"
+    pooling: Literal["", "last", "mean"] = ""  # embed: "" = the model's pooling
 
     def check(self) -> str | None:
+        if self.kind == "embed" and (self.messages is not None or self.params.n != 1
+                                     or self.params.structured_outputs is not None):
+            return "an embedding request takes a prompt (text or token ids), n = 1 and no constraint"
+        if self.kind != "embed" and self.pooling:
+            return "pooling goes with kind embed"
         if self.messages is not None:
             if self.prompt is not None or self.prompt_token_ids is not None:
                 return "give chat messages or a prompt, not both"
@@ -201,6 +214,10 @@ class Output(Message):
     # it (queueing, prefill and the first token inside the cluster; what a client sees on top
     # of it is transport: benchmarks/serve.py tells the gateway's share apart with it)
     first_token_latency: float | None = None
+    embedding: F32 | None = None  # an embedding request's answer: the pooled hidden state (not normalised)
+    # first chunk only: the request's seed (the caller's, or the one the scheduler drew), so a
+    # client re-attaching after a scheduler restart gets the same samples (services/scheduler/adoption.py)
+    seed: Seq | None = None
 
     def check(self) -> str | None:
         if type(self.token_ids) is not list:  # an array or tuple from the sender
@@ -222,6 +239,38 @@ class Output(Message):
 
 class Outputs(Message):
     items: list[Output] = msgspec.field(default_factory=list)
+
+
+MAX_REATTACH_SEQS = 1024  # completions of one re-attached request (SamplingParams caps n lower)
+
+
+class ResumeSeq(Message):
+    """What a client received of one completion before its scheduler died."""
+
+    index: Count = 0
+    token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    chars: Count = 0  # text characters received (str length)
+    finish_reason: FinishReason | None = None  # it had ended
+
+
+class Reattach(Message):
+    """A client's open request, sent again to a scheduler that restarted (or took over): the
+    original Submit (under a fresh request id) and what the client received so far. The
+    scheduler recomputes the prompt plus those tokens and streams from there: nothing lost or
+    repeated. Without ``prompt_token_ids`` (no output had arrived) it is a plain Submit."""
+
+    submit: Submit
+    prompt_token_ids: I32 | None = None  # as the first Output reported them
+    seed: Seq | None = None  # as the first Output reported it
+    seqs: Annotated[list[ResumeSeq], msgspec.Meta(max_length=MAX_REATTACH_SEQS)] = msgspec.field(
+        default_factory=list)
+
+    def check(self) -> str | None:
+        if self.seqs and self.prompt_token_ids is None:
+            return "resumed completions need the prompt_token_ids they continue"
+        if len({s.index for s in self.seqs}) != len(self.seqs):
+            return "a completion index appears twice"
+        return None
 
 
 class Error(Message):
@@ -248,6 +297,18 @@ class ShardMemory(Message):
     kv_bytes: int = 0
 
 
+MAX_KEPT_SEQS = 4096  # sequences a worker reports in one HELLO (services/worker/kept.py)
+
+
+class KeptSeq(Message):
+    """A sequence whose KV a worker still holds after its scheduler went away: the tokens whose
+    KV is in the cache (in order) and the blocks holding them. A restarted scheduler puts the
+    full blocks in its prefix cache, so a re-attached request continues without recomputing them."""
+
+    token_ids: I32 = msgspec.field(default_factory=empty_i32)
+    block_ids: I32 = msgspec.field(default_factory=empty_i32)
+
+
 class Hello(Message, kw_only=True):
     role: Role
     protocol_version: int = PROTOCOL_VERSION  # position 1 in every version: a mismatch is named
@@ -267,6 +328,11 @@ class Hello(Message, kw_only=True):
     # policy reserves KV slots for that many lookahead tokens of each decoding request
     num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+    # what the shard computes (services/worker/numerics.py: matmul dtype / kernel build / KV dtype
+    # / weight format): groups of one model must compute alike for failover to stay exact
+    numeric_mode: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    # after a scheduler restart: what this shard's KV cache still holds (services/worker/kept.py)
+    kept: Annotated[list[KeptSeq], msgspec.Meta(max_length=MAX_KEPT_SEQS)] = msgspec.field(default_factory=list)
     # LoRA adapter slots (--max-loras; 0 = serves no adapters): the scheduler routes adapter
     # requests only to groups that have some, and runs at most this many adapters at once there
     max_loras: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
@@ -326,6 +392,9 @@ class NewRequest(Message):
     # the LoRA adapter `params.lora` names: its directory, as the scheduler's registry has it
     # (--lora-modules, /v1/load_lora_adapter); the worker loads it into a slot on first use
     lora_path: Text | None = None
+    # an embedding request: once its prompt is computed the worker returns this pooling of the
+    # final hidden states (StepResult.embeddings) instead of sampling a token
+    pooling: Pooling | None = None
 
     def check(self) -> str | None:
         if (self.lora_path is None) != (self.params.lora is None):
@@ -452,9 +521,15 @@ class StepResult(Message):
     spec_token_ids: I32 | None = None
     num_spec_tokens: I32 | None = None
     num_draft_tokens: I32 | None = None
+    # embedding requests whose prompt this step completed, and their pooled hidden states (fp32)
+    embed_req_ids: list[Name] = msgspec.field(default_factory=list)
+    embeddings: F32_2D | None = None
 
     def check(self) -> str | None:
         r = len(self.req_ids)
+        n_emb = 0 if self.embeddings is None else self.embeddings.shape[0]
+        if n_emb != len(self.embed_req_ids):
+            return f"embeddings has {n_emb} rows for {len(self.embed_req_ids)} embed_req_ids"
         if self.sampled_token_ids.shape[0] != r:
             return f"sampled_token_ids has {self.sampled_token_ids.shape[0]} entries for {r} req_ids"
         spec = (self.spec_token_ids, self.num_spec_tokens, self.num_draft_tokens)
@@ -543,10 +618,11 @@ class DetokTokens(Message):
     def build(cls, seq: int, req_ids: list[str], token_ids: list[Any],
               finish_reasons: list[str | None] | None = None) -> DetokTokens:
         """From per-request token lists."""
-        counts = np.fromiter((len(t) for t in token_ids), np.int32, len(token_ids))
-        flat = (np.concatenate([np.asarray(t, np.int32).reshape(-1) for t in token_ids]) if token_ids
-                else empty_i32())
-        return cls(seq=seq, req_ids=list(req_ids), counts=counts, token_ids=flat.astype(np.int32, copy=False),
+        counts = np.fromiter(map(len, token_ids), np.int32, len(token_ids))
+        # one pass over the ids (a step brings each request one or a few): an array per request
+        # and a concatenate cost ~3 us a request
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int32, int(counts.sum(dtype=np.int64)))
+        return cls(seq=seq, req_ids=list(req_ids), counts=counts, token_ids=flat,
                    finish_reasons=list(finish_reasons) if finish_reasons is not None else [None] * len(req_ids))
 
     def per_request(self) -> list[np.ndarray]:
@@ -558,17 +634,22 @@ class DetokTokens(Message):
 
 class DetokOutputs(Message):
     """Text deltas for a DetokTokens batch; ``stop_strs[i]`` is the stop string that ended
-    request i (its text already truncated)."""
+    request i (its text already truncated) and ``stop_tokens[i]`` how many of request i's ids in
+    the batch its output keeps: those up to and including the one that completed the stop
+    string (-1 without a stop; an empty list keeps every id)."""
 
     seq: Seq = 0
     req_ids: list[Name] = msgspec.field(default_factory=list)
     text_deltas: list[str] = msgspec.field(default_factory=list)
     stop_strs: list[str | None] = msgspec.field(default_factory=list)
+    stop_tokens: list[Annotated[int, msgspec.Meta(ge=-1)]] = msgspec.field(default_factory=list)
 
     def check(self) -> str | None:
         r = len(self.req_ids)
         if len(self.text_deltas) != r or len(self.stop_strs) != r:
             return f"text_deltas ({len(self.text_deltas)}) and stop_strs ({len(self.stop_strs)}) need {r} entries"
+        if self.stop_tokens and len(self.stop_tokens) != r:
+            return f"stop_tokens ({len(self.stop_tokens)}) needs {r} entries"
         return None
 
 
@@ -592,8 +673,8 @@ class Event(Message):
 MESSAGE_TYPES: dict[bytes, type[Message]] = {
     cls.__name__.encode(): cls
     for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, MetricsRequest,
-                MetricsReply, LoadLoRA, UnloadLoRA, LoRAReply, Output, Outputs,
+                MetricsReply, LoadLoRA, UnloadLoRA, LoRAReply, Output, Outputs, Reattach,
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
                 Shutdown, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }
-NESTED_TYPES = (ChatMessage, ModelCard, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)
+NESTED_TYPES = (ChatMessage, ModelCard, ResumeSeq, KeptSeq, ShardMemory, NewRequest, CachedRequests, DetokRequest, SamplingParams)

@@ -107,7 +107,10 @@ def make_socket(
     heartbeat_ivl_ms: int | None = None,
     heartbeat_timeout_ms: int | None = None,
     reconnect_ivl_ms: int = 100,
-    reconnect_ivl_max_ms: int = 2000,
+    # a restarted scheduler waits for its workers, detokenizer and clients to reconnect before
+    # their streams go on: libzmq's backoff would have grown to 2 s during a 2 s restart; at
+    # 250 ms a dead peer costs 4 connection attempts a second from each socket dialing it
+    reconnect_ivl_max_ms: int = 250,
     curve_server_secret_key: str | os.PathLike | None = None,
     curve_client_secret_key: str | os.PathLike | None = None,
     curve_server_public_key: str | os.PathLike | None = None,

@@ -15,7 +15,10 @@ ROUTER and, through `BackendPeer`:
   (`maybe_heartbeat`: the detokenizer), or from a thread with its own DEALER `<id>-hb`
   (`start_heartbeats`: a worker, whose steps may take longer than the scheduler's heartbeat
   timeout; the scheduler takes that identity as the worker's). Heartbeat sockets are IMMEDIATE:
-  none pile up while the scheduler is away.
+  none pile up while the scheduler is away. A heartbeat also goes out as soon as a connection
+  is (re)made: a restarted scheduler answers it "rejoin", so the peer joins again within
+  milliseconds of the scheduler's start rather than up to an interval later (the streams of a
+  restarted scheduler wait for that: services/scheduler/adoption.py).
 * notices what the scheduler wants after WELCOME (`note(msg)` on every Welcome that arrives,
   from either socket): `rejoin` is set when it no longer knows us (a restarted scheduler answers
   an unknown peer's heartbeat with status "rejoin"; so does one that gave our group up, saying
@@ -48,6 +51,7 @@ JOIN_WAIT_S = 5.0  # one HELLO waits this long for its WELCOME before the next
 HINT_MAX_EVERY_S = 60.0  # the "no answer" hint comes after 5 s, then at doubling intervals up to this
 STALE_HEARTBEATS = 3  # a "rejoin" this many intervals after WELCOME may answer a heartbeat sent before it
 STUCK_AFTER_S = 10.0
+CLOSE_CHECK_S = 0.25  # the heartbeat thread looks at close() this often
 # connected yet never answered this long: another connection holds our identity (the scheduler
 # drops a vanished peer's connection after 3 s of missed ZMTP heartbeats, well within this)
 DUPLICATE_AFTER_S = 10.0
@@ -178,8 +182,10 @@ class BackendPeer:
             return True
         if not self._joined.is_set():  # before our WELCOME, or already starting over
             return False
-        if msg.status == "rejoin" and time.monotonic() - self._joined_at < STALE_HEARTBEATS * self.hb_interval:
-            return False  # most likely the answer to a heartbeat sent before our HELLO
+        restarted = bool(msg.scheduler_id and self.scheduler_id and msg.scheduler_id != self.scheduler_id)
+        if (msg.status == "rejoin" and not restarted
+                and time.monotonic() - self._joined_at < STALE_HEARTBEATS * self.hb_interval):
+            return False  # most likely the answer to a heartbeat sent before our HELLO (another instance's is not)
         self._joined.clear()
         self.rejoin_welcome = msg
         self.rejoin.set()
@@ -213,9 +219,12 @@ class BackendPeer:
 
     # ------------------------------------------------------------------ heartbeats
     def maybe_heartbeat(self, stats: Callable[[], dict]) -> float:
-        """Send a heartbeat on the main socket when one is due; returns the seconds until the next."""
+        """Send a heartbeat on the main socket when one is due (or the connection was just made);
+        returns the seconds until the next."""
+        was = self._up_since
+        self._watch_connection()
         now = time.monotonic()
-        if now >= self._next_hb:
+        if now >= self._next_hb or (self._up_since is not None and self._up_since != was):
             self._next_hb = now + self.hb_interval
             self.ch.try_send(P.Heartbeat(worker_id=self.id, stats=stats()))  # not connected: nobody to tell
         return max(0.0, self._next_hb - now)
@@ -229,8 +238,13 @@ class BackendPeer:
         self._hb_thread.start()
 
     def _heartbeat_loop(self, stats: Callable[[], dict], stuck_exit: int) -> None:
-        hb = Channel(make_socket(self.ctx, zmq.DEALER, connect=self.scheduler_addr, identity=f"{self.id}-hb",
-                                 immediate=True, **self.socket_kw))
+        sock = make_socket(self.ctx, zmq.DEALER, identity=f"{self.id}-hb", immediate=True, **self.socket_kw)
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before connecting: the first one counts
+        sock.connect(self.scheduler_addr)
+        hb = Channel(sock)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         next_hb = 0.0
         try:
             while not self._closed.is_set():
@@ -238,7 +252,14 @@ class BackendPeer:
                 if now >= next_hb:
                     next_hb = now + self.hb_interval
                     hb.try_send(P.Heartbeat(worker_id=self.id, stats=stats()))
-                if not hb.poll(max(0.0, next_hb - time.monotonic())):
+                # at most CLOSE_CHECK_S at a time: close() waits for this thread
+                wait_s = min(next_hb - time.monotonic(), CLOSE_CHECK_S)
+                events = dict(poller.poll(max(0, int(wait_s * 1000))))
+                if mon in events:  # (re)connected: say so now, a restarted scheduler is waiting for us
+                    while mon.poll(0):
+                        recv_monitor_message(mon, zmq.NOBLOCK)
+                    next_hb = 0.0
+                if sock not in events:
                     continue
                 try:
                     _, msg = hb.recv()
@@ -247,6 +268,11 @@ class BackendPeer:
                 if self.note(msg) and self.rejoin.is_set():
                     self._watch_rejoin(stuck_exit)
         finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(linger=0)
             hb.close()
 
     def _watch_rejoin(self, stuck_exit: int) -> None:

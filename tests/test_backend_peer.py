@@ -208,3 +208,41 @@ def test_a_rejoin_the_main_loop_takes_up_does_not_exit(ctx, router, monkeypatch)
         assert exits == []
     finally:
         peer.close()
+
+
+def test_a_restarted_scheduler_hears_a_heartbeat_at_once_and_its_rejoin_counts(ctx, router):
+    """A scheduler that restarts on the same port gets a heartbeat from the thread and from the
+    loop as soon as each connection is made again, not an interval later; its "rejoin" (another
+    instance than the one that welcomed us) counts even inside the stale window."""
+    peer = _joined_peer(ctx, router)
+    peer.hb_interval = 30.0  # only a reconnection can explain a prompt heartbeat
+    peer.scheduler_id = "first"
+    addr = router.addr
+    try:
+        peer.start_heartbeats(lambda: {}, stuck_exit=3)
+        _expect(router, P.Heartbeat)  # the thread's first
+        peer.maybe_heartbeat(dict)  # the loop's first: the next is 30 s away
+        _expect(router, P.Heartbeat)
+        router.close()  # the scheduler dies ...
+        time.sleep(0.3)
+        again = make_socket(ctx, zmq.ROUTER)
+        again.bind(addr)  # ... and comes back on the same port
+        new = Channel(again)
+        try:
+            t0 = time.monotonic()
+            ident, _ = _expect(new, P.Heartbeat, timeout=3.0)
+            assert ident == b"w1-hb" and time.monotonic() - t0 < 2.0
+            deadline = time.monotonic() + 3.0
+            while True:  # the loop's, once its connection is made again
+                peer.maybe_heartbeat(dict)
+                if new.poll(0.05):
+                    break
+                assert time.monotonic() < deadline, "no heartbeat from the loop after the reconnection"
+            assert new.recv()[0] == b"w1"
+            peer._joined_at = time.monotonic()  # inside the stale window
+            assert not peer.note(P.Welcome(status="rejoin", scheduler_id=peer.scheduler_id))
+            assert peer.note(P.Welcome(status="rejoin", scheduler_id="another")) and peer.rejoin.is_set()
+        finally:
+            new.close()
+    finally:
+        peer.close()

@@ -15,8 +15,9 @@ import torch
 
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.kernels.dispatch import get_ops
-from zeroserve.kernels import bf16, cpu_native
+from zeroserve.kernels import cpu_native
 from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker import numerics
 from zeroserve.services.worker.model.cpu_step import CpuDecodeStep
 from tests.helpers import PagedKV, cached_model_dir, random_prompt
 
@@ -41,15 +42,14 @@ def _python_forward(model, *args):
         model._step = step
 
 
-@pytest.mark.parametrize("arch,quantization,bf16_rows", [("llama", "int4", None), ("qwen2", "int8", None),
-                                                         ("qwen3", "int4", None), ("mistral", "int8", None),
-                                                         ("llama", "int4", 3), ("qwen2", "int8", 1)])
-def test_decode_steps_equal_the_python_forward(arch, quantization, bf16_rows):
-    """bf16_rows: bf16 panels attached, so batches of that many rows or more run the linears in
-    the bf16 regime, here on the packed bytes as in the Python path's QuantizableWeight.matmul."""
+@pytest.mark.parametrize("arch,quantization,bf16", [("llama", "int4", False), ("qwen2", "int8", False),
+                                                    ("qwen3", "int4", False), ("mistral", "int8", False),
+                                                    ("llama", "int4", True), ("qwen2", "int8", True)])
+def test_decode_steps_equal_the_python_forward(arch, quantization, bf16):
+    """bf16: the model in the bf16 numeric mode (every linear in the bf16 regime, here on the
+    packed bytes as in the Python path's QuantizableWeight.matmul)."""
     cfg, model = _model(arch, quantization)
-    if bf16_rows is not None:
-        bf16.attach(model, bf16_rows)
+    numerics.apply(model, bf16)
     assert isinstance(model._cpu_step(), CpuDecodeStep)
     kv = PagedKV(model, num_blocks=48, block_size=4, order="random", seed=1)
     lens = [1, 3, 4, 9, 17]  # ragged, at and across the 4-token block edges
@@ -73,14 +73,17 @@ def test_decode_steps_equal_the_python_forward(arch, quantization, bf16_rows):
             nxt = {i: [int(logits[b].argmax())] for b, i in enumerate(prompts)}
 
 
-@pytest.mark.parametrize("arch,quantization", [("llama", "int4"), ("qwen2", "int8")])
-def test_decode_steps_with_lora_equal_the_python_forward(arch, quantization):
+@pytest.mark.parametrize("arch,quantization,bf16", [("llama", "int4", False), ("qwen2", "int8", False),
+                                                    ("llama", "int4", True)])
+def test_decode_steps_with_lora_equal_the_python_forward(arch, quantization, bf16):
     """LoRA adapters in the step (services/worker/lora.py's slots, random A and B): rows of two
     adapters and of the base model, the compiled step = the Python forward bit for bit (Qwen2:
-    the adapter's delta after the q/k/v bias, as the Python path adds it)."""
+    the adapter's delta after the q/k/v bias, as the Python path adds it), in fp32 and in the
+    bf16 numeric mode (base linears in the bf16 regime, the deltas in fp32 either way)."""
     from zeroserve.services.worker.lora import LoRAManager
 
     cfg, model = _model(arch, quantization)
+    numerics.apply(model, bf16)
     model._cpu_step()  # built before the adapters attach: attaching must rebuild it with their slots
     lora = LoRAManager(model, cfg, CPU, 2, 4, "cpu", torch.float32)
     g = torch.Generator().manual_seed(7)

@@ -185,16 +185,22 @@ def test_no_adapters_without_enable_lora(base, adapters):
 
 
 def test_bf16_mode(base, adapters):
-    """bf16 compute (adapter slots in bf16, the twin's matmuls): each adapter's first token equals
-    the fp32 run's where fp32's top two are far apart, and the adapters still change the output."""
+    """The bf16 numeric mode (every base linear in the bf16 regime; the adapter deltas stay on the
+    fp32 per-row kernel, csrc/lora.c): each adapter's first token equals the fp32 run's where
+    fp32's top two are far apart, each request's tokens are the same alone as in the mixed batch
+    (batch-invariant), and the adapters still change the output."""
     mods = [f"{k}={adapters[k]}" for k in ("a1", "a3")]
     prompts = [random_prompt(10 + i, seed=90 + i) for i in range(6)]
     names = ["a1", "a3", None] * 2
     fp32 = LLM(str(base), lora_modules=mods, num_kv_blocks=128).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2), lora=names)
     bf = LLM(str(base), lora_modules=mods, dtype="bfloat16", num_kv_blocks=128)
-    assert bf.engine.runner.lora.linears[(0, "q_proj")].at.dtype == torch.bfloat16
+    assert bf.engine.runner.numeric_mode.startswith("bfloat16/")
+    assert bf.engine.runner.lora.linears[(0, "q_proj")].at.dtype == torch.float32
     got = bf.generate(prompts, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), lora=names)
+    for p, name, g in zip(prompts, names, got):
+        alone = bf.generate([p], SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), lora=name)
+        assert alone[0].outputs[0].token_ids == g.outputs[0].token_ids, name
     clear = 0
     for f, g in zip(fp32, got):
         top = sorted((lp.logprob for lp in f.outputs[0].logprobs[0].values()), reverse=True)

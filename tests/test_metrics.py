@@ -22,7 +22,8 @@ VLLM_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_pe
               "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success",
               "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens",
-              "iteration_tokens_total", "worker_groups", "requests_requeued", "group_kv_cache_usage_perc",
+              "iteration_tokens_total", "worker_groups", "requests_requeued", "requests_reattached",
+              "group_kv_cache_usage_perc",
               "group_steps", "group_steps_per_second"]
 
 

@@ -105,6 +105,13 @@ def sample_messages() -> dict[type, list]:
                          M.MetricsReply()],
         M.Output: [output, plain_output],
         M.Outputs: [M.Outputs(items=[output, plain_output]), M.Outputs()],
+        M.Reattach: [
+            M.Reattach(submit=M.Submit(request_id="q~1", prompt="Hello", params=PARAMS, stream=True),
+                       prompt_token_ids=arr([1, 2, 3]), seed=2**62,
+                       seqs=[M.ResumeSeq(index=0, token_ids=arr([4, 5]), chars=7),
+                             M.ResumeSeq(index=1, token_ids=arr([6]), chars=2, finish_reason="length")]),
+            M.Reattach(submit=M.Submit(request_id="q~2", prompt_token_ids=arr([1]))),
+        ],
         M.Error: [M.Error(request_id=None, code="overloaded", message="queue full"), M.Error(request_id="q")],
         M.Hello: [
             M.Hello(
@@ -122,6 +129,7 @@ def sample_messages() -> dict[type, list]:
                 max_model_len=8192,
                 dist_init_addr="tcp://10.0.0.1:29500",
                 memory=M.ShardMemory(rss_bytes=3 << 30, param_bytes=1 << 30, kv_bytes=60 << 30),
+                kept=[M.KeptSeq(token_ids=arr(range(40)), block_ids=arr([7, 3, 9]))],
             ),
             M.Hello(role="detokenizer", worker_id="detok-1"),
             M.Hello(role="worker", worker_id="w-lora", max_loras=8),
@@ -612,7 +620,8 @@ def test_body_of_the_wrong_shape():
 def test_extra_trailing_fields_are_refused():
     assert_bad([b"Ping", msgpack.packb([1, [], 2])], "Ping: expected list of at most length 2, got 3")
     sub = M.Submit(request_id="a", prompt="x")
-    assert_bad(reencode(sub, body_of(sub) + [None]), "Submit: expected list of at most length 9, got 10")
+    n = len(M.Submit.__struct_fields__)
+    assert_bad(reencode(sub, body_of(sub) + [None]), f"Submit: expected list of at most length {n}, got {n + 1}")
     step = SAMPLES[M.Step][0]
     body = body_of(step)
     body[fi(M.Step, "new_reqs")][0].append(0)

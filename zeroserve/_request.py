@@ -14,7 +14,7 @@ import numpy as np
 from zeroserve.common import messages as P
 from zeroserve.common.chat import check_messages
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.common.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entries
+from zeroserve.common.outputs import Logprob, RequestOutput, completion_from_items, embedding_from_items, item_logprobs
 from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields, with_lora
 
 log = logging.getLogger("zeroserve.client")
@@ -119,15 +119,6 @@ def _check_timeout(name: str, v: Any, allow_none: bool = True) -> float | None:
     return float(v)
 
 
-def _logprob_dicts(item: P.Output) -> list[dict[int, Logprob]]:
-    """The chunk's logprobs; a chunk that carries no arrays gets empty dicts, so the list stays
-    one entry per token."""
-    if item.logprobs is None:
-        return [{} for _ in range(len(item.token_ids))]
-    ranks = item.ranks if item.ranks is not None else [None] * len(item.token_ids)
-    return logprob_entries(item.logprob_token_ids, item.logprobs, ranks)
-
-
 # ------------------------------------------------------------------------------------------------
 # One live request, as the receiver sees it
 # ------------------------------------------------------------------------------------------------
@@ -135,6 +126,8 @@ def _logprob_dicts(item: P.Output) -> list[dict[int, Logprob]]:
 
 class _Req:
     __slots__ = (
+        "attempts",
+        "chars",
         "done",
         "ended",
         "error",
@@ -143,6 +136,8 @@ class _Req:
         "first_delta",
         "first_latency",
         "frames",
+        "keep_left",
+        "kept",
         "n",
         "nonce0",
         "num_cached",
@@ -153,6 +148,7 @@ class _Req:
         "remaining",
         "retries",
         "rid",
+        "seed",
         "sent_ids",
         "sid",
         "started",
@@ -197,6 +193,13 @@ class _Req:
         self.sid: str | None = None
         self.retries = 0
         self.started = False  # an Output arrived: no longer safe to re-submit
+        self.attempts = 0  # re-submissions and re-attachments so far (the k of wire id rid~k)
+        # what it received, per completion, to re-attach to a restarted scheduler (liveness.py):
+        # token ids and text characters, while at most `keep_left` more tokens (None: not kept)
+        self.kept: list[list[int]] | None = [[] for _ in range(self.n)]
+        self.chars = [0] * self.n
+        self.keep_left = 0
+        self.seed: int | None = None  # the seed the first Output reported
 
     def feed(self, item: P.Output) -> bool:
         """Take one Output item; True when every completion has finished."""
@@ -205,10 +208,18 @@ class _Req:
             self.prompt_ids = item.prompt_token_ids
             self.num_cached = item.num_cached_tokens
             self.first_latency = item.first_token_latency
+            self.seed = item.seed
         i = item.index
         if i >= self.n:
             log.warning("output for completion %d of request %r, which asked for n=%d; dropped", i, self.rid, self.n)
             return False
+        if self.kept is not None:
+            self.keep_left -= len(item.token_ids)
+            if self.keep_left < 0:  # over the client's limit: a restart loses this request
+                self.kept = None
+            else:
+                self.kept[i].extend(item.token_ids)
+                self.chars[i] += len(item.text)
         if self.streaming:
             self.queue.append(item)
             w = self.waiter
@@ -223,6 +234,15 @@ class _Req:
             self.remaining -= 1
             return self.remaining == 0
         return False
+
+    def reattach(self, submit: P.Submit) -> P.Reattach:
+        """This request for a new scheduler: ``submit`` (under a new id) and what it received."""
+        if self.prompt_ids is None:  # no output yet: it simply runs again
+            return P.Reattach(submit=submit)
+        return P.Reattach(submit=submit, prompt_token_ids=self.prompt_ids, seed=self.seed, seqs=[
+            P.ResumeSeq(index=i, token_ids=np.asarray(self.kept[i], np.int32), chars=self.chars[i],
+                        finish_reason=self.finish[i] if self.fin[i] else None)
+            for i in range(self.n) if self.kept[i] or self.fin[i]])
 
     def end_local(self, reason: str) -> None:
         """Finish every completion not finished yet with ``reason`` (a local abort)."""
@@ -243,7 +263,7 @@ class _Req:
 
     def delta(self, item: P.Output) -> StreamDelta:
         d = StreamDelta(self.rid, item.index, item.text, item.token_ids, item.finish_reason,
-                        item.stop_reason, _logprob_dicts(item) if self.want_lp else None)
+                        item.stop_reason, item_logprobs(item) if self.want_lp else None)
         if self.first_delta:
             self.first_delta = False
             d.prompt_token_ids = self._prompt_ids()
@@ -257,22 +277,8 @@ class _Req:
         return self.sent_ids.tolist() if self.sent_ids is not None else []
 
     def result(self) -> RequestOutput:
-        outs = []
-        for i, items in enumerate(self.parts):
-            if not items:
-                toks: list[int] = []
-            elif len(items) == 1:
-                toks = items[0].token_ids
-            else:
-                toks = [t for it in items for t in it.token_ids]
-            lps = None
-            if self.want_lp:
-                lps = []
-                for it in items:
-                    lps.extend(_logprob_dicts(it))
-            outs.append(CompletionOutput(i, "".join([it.text for it in items]), toks, self.finish[i], lps,
-                                         self.stop[i]))
+        outs = [completion_from_items(i, items, self.finish[i], self.stop[i], self.want_lp)
+                for i, items in enumerate(self.parts)]
         return RequestOutput(self.rid, self.prompt, self._prompt_ids(), outs, finished=True,
-                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency)
-
-
+                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency,
+                             embedding=embedding_from_items(self.parts[0]) if self.parts else None)

@@ -29,11 +29,14 @@ client ROUTER, and two background tasks on the event loop the client is first us
   scheduler for ``timeout_s``.
 * every ``Pong`` names the scheduler (``scheduler_id``, new at each start; also in
   ``zeroserve/liveness.py``). A request belongs to the scheduler that answers the first Ping
-  sent after its Submit; a Pong from another one means the scheduler restarted and the
-  request is lost with it: it fails at once with ``ClusterUnavailable("the scheduler
-  restarted; ...")`` (within a ping interval of the new scheduler's start), or, with
-  ``retries=N``, is submitted again to the new scheduler when it had no output yet (nothing
-  was streamed, so a second run repeats nothing).
+  sent after its Submit; a Pong from another one means the scheduler restarted: the client
+  re-attaches the request to the new one (the original Submit and what it received so far),
+  which recomputes it and streams on from the next token. The caller's stream pauses for the
+  restart and goes on with the same tokens (greedy and seeded alike). A request that received
+  more than ``reattach_max_tokens`` tokens (or any, with ``reattach=False``) fails with
+  ``ClusterUnavailable("the scheduler restarted; ...")`` instead, or, with ``retries=N``, is
+  submitted again when it had no output yet. A scheduler silent for ``timeout_s`` (none came
+  back) fails the requests as before.
 
 Every way a request can end early on the client side (``abort()``, ``request_timeout_s``, the
 cluster going silent, leaving a stream with ``break`` / ``aclose()``, cancelling the task that
@@ -50,6 +53,7 @@ import collections
 import itertools
 import logging
 import os
+import weakref
 from typing import Any, Self
 
 import msgspec
@@ -65,11 +69,12 @@ from zeroserve.common.errors import (
     RequestTimeout,
     ZeroserveError,
 )
-from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.embeddings import finish_embedding, request_pooling
+from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
 from zeroserve.common.transport import make_socket, tcp_addr
-from zeroserve.services.scheduler.admission import split_prompt
+from zeroserve.common.prompts import split_prompt
 from zeroserve._request import (
     Conversation,
     StreamDelta,
@@ -88,6 +93,8 @@ log = logging.getLogger("zeroserve.client")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7000"
 PING_INTERVAL_S = 1.0  # the scheduler's client_timeout (10 s) counts on this
+# tokens a request keeps to re-attach to a restarted scheduler (4 bytes each: 1 MiB a request)
+DEFAULT_REATTACH_MAX_TOKENS = 1 << 18
 
 
 def _swallow(fut: asyncio.Future) -> None:
@@ -109,6 +116,16 @@ class _Checked:
         self.split = split
 
 
+def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, linger: int = 0) -> None:
+    """Close the client's socket and end its context, never waiting on the event loop (it may be
+    closed already) nor on unsent messages beyond `linger` ms."""
+    try:
+        sock.close(linger=linger)
+    except Exception:  # noqa: BLE001 (its loop is gone: close the socket underneath it)
+        zmq.Socket.close(sock, linger=linger)
+    ctx.term()
+
+
 class AsyncClient(LivenessMixin):
     """asyncio client for a zeroserve cluster; see the module docstring.
 
@@ -122,16 +139,26 @@ class AsyncClient(LivenessMixin):
     whose client key to use (``clients/NAME.key_secret``; the scheduler admits only client keys on
     the client port); None = ``$ZEROSERVE_CURVE_CLIENT`` or "client".
     A missing key file raises ``CurveKeyError`` here, naming the file.
-    ``retries``: how many times a request the scheduler lost in a restart is submitted again to
-    the new one, as long as none of its output had arrived (0: it fails with ClusterUnavailable).
+    ``retries``: with ``reattach=False``, how many times a request the scheduler lost in a restart
+    is submitted again to the new one, as long as none of its output had arrived (0: it fails
+    with ClusterUnavailable).
+    ``reattach``: re-attach open requests to a restarted scheduler (default); each request keeps
+    the token ids it received for that, up to ``reattach_max_tokens`` (past it, 4 bytes a token,
+    a restart fails it with ClusterUnavailable). How long a restart may take: ``timeout_s``.
     """
 
     def __init__(self, address: str | int = DEFAULT_ADDRESS, timeout_s: float = 10.0,
                  request_timeout_s: float | None = None, *, curve_keys: str | os.PathLike | bool | None = None,
-                 curve_client_name: str | None = None, retries: int = 0) -> None:
+                 curve_client_name: str | None = None, retries: int = 0, reattach: bool = True,
+                 reattach_max_tokens: int = DEFAULT_REATTACH_MAX_TOKENS) -> None:
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
             raise InvalidRequest(f"retries must be an integer in [0, 100], got {retries!r}")
+        if (isinstance(reattach_max_tokens, bool) or not isinstance(reattach_max_tokens, int)
+                or reattach_max_tokens < 0):
+            raise InvalidRequest(f"reattach_max_tokens must be an integer >= 0, got {reattach_max_tokens!r}")
         self.retries = retries
+        self.reattach = bool(reattach)
+        self.reattach_max_tokens = reattach_max_tokens
         try:
             self.address = tcp_addr(address)
         except ValueError as e:
@@ -176,6 +203,10 @@ class AsyncClient(LivenessMixin):
                 raise InvalidRequest(f"cannot connect to {self.address}: {e}; give the scheduler's client address "
                                      "as tcp://HOST:PORT") from None
             self._loop, self._ctx, self._sock = loop, ctx, sock
+            # a client nobody closed must still release its socket when it is collected or the
+            # interpreter exits: pyzmq's Context.__del__ would term() with the socket open and
+            # block the process forever (a second asyncio.run in a script or notebook)
+            self._finalizer = weakref.finalize(self, _release, sock, ctx)
             self._last_rx = loop.time()
             self._live_evt = asyncio.Event()
             self._tasks = [loop.create_task(self._receiver(), name="zeroserve-client-recv"),
@@ -202,8 +233,8 @@ class AsyncClient(LivenessMixin):
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.close(linger=200 if live else 0)  # give the Aborts a moment to leave
-        self._ctx.term()
+        self._finalizer.detach()
+        _release(self._sock, self._ctx, linger=200 if live else 0)  # give the Aborts a moment to leave
 
     async def __aenter__(self) -> Self:
         return self
@@ -243,7 +274,7 @@ class AsyncClient(LivenessMixin):
 
     # ---------------------------------------------------------------- requests
     def _submit(self, prompt: Any, params: Any, request_id: str | None, request_timeout_s: float | None,
-                streaming: bool, model_defaults: list[str]) -> _Req:
+                streaming: bool, model_defaults: list[str], pooling: str | None = None) -> _Req:
         msgs = prompt.messages if isinstance(prompt, Conversation) else None
         tools = prompt.tools if isinstance(prompt, Conversation) else None
         if isinstance(prompt, _Checked):  # stream() checked both already
@@ -264,10 +295,14 @@ class AsyncClient(LivenessMixin):
                                  "or leave request_id unset")
         frames = encode(P.Submit(request_id=request_id, prompt=text, prompt_token_ids=ids, params=sp,
                                  stream=streaming, timeout_s=timeout, messages=msgs, model_defaults=model_defaults,
-                                 tools=tools))
+                                 tools=tools, **({} if pooling is None else {"kind": "embed", "pooling": pooling})))
         r = _Req(request_id, sp, streaming, loop.time(), text, ids, None if streaming else loop.create_future())
         r.nonce0, r.retries = self._nonce, self.retries
-        if self.retries:
+        if self.reattach:
+            r.keep_left = self.reattach_max_tokens
+        else:
+            r.kept = None
+        if self.retries or self.reattach:
             r.frames = frames
         if timeout is not None:
             r.timer = loop.call_later(timeout, self._on_request_timeout, r, timeout)
@@ -327,6 +362,37 @@ class AsyncClient(LivenessMixin):
         if r.error is not None:
             raise r.error
         return r.result()
+
+    async def embed(self, prompts: Any, model: str | None = None, *, pooling: str | None = None,
+                    normalize: bool = True, dimensions: int | None = None,
+                    request_timeout_s: float | None = None) -> list[EmbeddingOutput]:
+        """The embedding of each prompt (a text or token ids, or a list of them), computed by the
+        cluster as a prefill-only request: the model's final hidden states pooled (``pooling``
+        "last" or "mean"; default the model's: the scheduler's --pooling), L2-normalised unless
+        ``normalize`` is false, after a truncation to ``dimensions`` when given."""
+        pooling = request_pooling(pooling)
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        reqs: list[_Req] = []
+        try:
+            for p in prompts:
+                reqs.append(self._submit(p, {"model": model} if model else None, None, request_timeout_s,
+                                         streaming=False, model_defaults=[], pooling=pooling))
+            await asyncio.gather(*(r.done for r in reqs))
+        except BaseException:  # a bad prompt or a cancellation: none of the batch runs on
+            for r in reqs:
+                self._cancel_request(r)
+            raise
+        outs = []
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+            o = r.result()
+            if o.embedding is None:
+                raise ZeroserveError(f"request {r.rid!r} ended without an embedding ({r.finish[0]})")
+            outs.append(EmbeddingOutput(r.rid, o.prompt_token_ids, finish_embedding(o.embedding, dimensions,
+                                                                                     normalize).tolist()))
+        return outs
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                *, request_timeout_s: float | None = None,

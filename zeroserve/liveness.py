@@ -2,8 +2,13 @@
 
 ``AsyncClient`` mixes this in. Every ``Pong`` names the scheduler (``scheduler_id``, new at each
 start); a request belongs to the scheduler that answers the first Ping sent after its Submit, so
-a Pong from another one means the request was lost with the old scheduler: it fails with
-``ClusterUnavailable`` or, with ``retries=N`` and no output yet, is submitted again.
+a Pong from another one means the old scheduler is gone and the new one does not hold the
+request. The client re-attaches it (``Reattach``: the original Submit under a new wire id and
+what it received; services/scheduler/adoption.py): the new scheduler recomputes its tokens so
+far and the stream goes on where it stopped, with the same tokens. A request whose received
+tokens exceed the client's ``reattach_max_tokens`` (or every request, with ``reattach=False``)
+fails with ``ClusterUnavailable`` instead, or, with ``retries=N`` and no output yet, is
+submitted again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from zeroserve._request import _Req
 log = logging.getLogger("zeroserve.client")
 
 RESTARTED = "the scheduler restarted; request lost, retry"
+RESTARTED_OVER_LIMIT = ("the scheduler restarted and this request had received more tokens than the client keeps to "
+                        "re-attach it (reattach_max_tokens); request lost, retry")
 
 
 class LivenessMixin:
@@ -58,27 +65,35 @@ class LivenessMixin:
                 # wire id is safe either way (the Abort frees a copy the new one got)
             lost.append(r)
         if lost:
-            log.warning("the scheduler restarted (%s -> %s); %d live request(s) lost", prev, sid, len(lost))
+            log.warning("the scheduler restarted (%s -> %s); %s %d live request(s)", prev, sid,
+                        "re-attaching" if self.reattach else "lost", len(lost))
         for r in lost:
-            if r.retries > 0 and not r.started and r.frames is not None and not r.ended:
-                self._resubmit(r)
-            else:
+            if r.ended or r.frames is None:
                 self._end(r, ClusterUnavailable(RESTARTED), abort=True)
+            elif self.reattach and (r.kept is not None or not r.started):
+                self._send(self._rewire(r, r.reattach))
+            elif r.retries > 0 and not r.started:
+                r.retries -= 1
+                self._rewire(r, None)
+                self._send_frames(r.frames)
+            else:
+                self._end(r, ClusterUnavailable(RESTARTED_OVER_LIMIT if self.reattach else RESTARTED), abort=True)
 
-    def _resubmit(self, r: _Req) -> None:
-        """Send a request that had no output yet again, to the scheduler now answering."""
+    def _rewire(self, r: _Req, make):
+        """Move a request to a new wire id (rid~k) for the scheduler now answering: the Abort
+        frees a copy it may hold under the old id (a Submit that reached it), and outputs for the
+        old id are dropped from then on. Returns ``make(submit)`` (None: r.frames is the Submit)."""
         self._send(P.Abort(request_id=r.wire))
         if self._reqs.get(r.wire) is r:
             del self._reqs[r.wire]
-        r.retries -= 1
-        attempt = self.retries - r.retries
-        r.wire = f"{r.rid}~{attempt}"
+        r.attempts += 1
+        r.wire = f"{r.rid}~{r.attempts}"
         sub = decode(r.frames)
         sub.request_id = r.wire
         r.frames = encode(sub)
         r.sid, r.nonce0 = None, self._nonce
         self._reqs[r.wire] = r
-        self._send_frames(r.frames)
+        return make(sub) if make is not None else None
 
     async def _ticker(self) -> None:
         """While requests are live: Ping every interval, fail them all when the scheduler is silent."""

@@ -15,10 +15,10 @@ from typing import Any, Self
 import zmq
 
 from zeroserve.common.errors import ZeroserveError
-from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve._request import StreamDelta
-from zeroserve.client import DEFAULT_ADDRESS, AsyncClient
+from zeroserve.client import DEFAULT_ADDRESS, DEFAULT_REATTACH_MAX_TOKENS, AsyncClient
 from zeroserve.streams import AsyncStream
 
 log = logging.getLogger("zeroserve.client")
@@ -62,15 +62,17 @@ class Client:
 
     ``stream()`` returns a normal iterator; leaving it early (``break`` and dropping it,
     ``close()``, or a ``with`` block) aborts the request. ``close()`` stops the background thread.
-    ``curve_keys`` / ``curve_client_name``: CURVE, ``retries``: re-submission after a scheduler
-    restart, as in ``AsyncClient``.
+    ``curve_keys`` / ``curve_client_name``: CURVE; ``reattach`` / ``reattach_max_tokens`` (open
+    requests go on after a scheduler restart) and ``retries``: as in ``AsyncClient``.
     """
 
     def __init__(self, address: str | int = DEFAULT_ADDRESS, timeout_s: float = 10.0,
                  request_timeout_s: float | None = None, *, curve_keys: str | os.PathLike | bool | None = None,
-                 curve_client_name: str | None = None, retries: int = 0) -> None:
+                 curve_client_name: str | None = None, retries: int = 0, reattach: bool = True,
+                 reattach_max_tokens: int = DEFAULT_REATTACH_MAX_TOKENS) -> None:
         self._ac = AsyncClient(address, timeout_s, request_timeout_s, curve_keys=curve_keys,
-                               curve_client_name=curve_client_name, retries=retries)
+                               curve_client_name=curve_client_name, retries=retries, reattach=reattach,
+                               reattach_max_tokens=reattach_max_tokens)
         self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
         self._closed = False
@@ -112,6 +114,12 @@ class Client:
         """Run one request to the end; ``params``, ``model_defaults`` and ``lora`` as in ``AsyncClient.generate``."""
         return self._call(self._ac.generate(prompt, params, request_id, request_timeout_s=request_timeout_s,
                                             model_defaults=model_defaults, lora=lora))
+
+    def embed(self, prompts: Any, model: str | None = None, *, pooling: str | None = None, normalize: bool = True,
+              dimensions: int | None = None, request_timeout_s: float | None = None) -> list[EmbeddingOutput]:
+        """The embedding of each prompt; as ``AsyncClient.embed``."""
+        return self._call(self._ac.embed(prompts, model, pooling=pooling, normalize=normalize, dimensions=dimensions,
+                                         request_timeout_s=request_timeout_s))
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                *, request_timeout_s: float | None = None,

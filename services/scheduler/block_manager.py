@@ -139,6 +139,31 @@ class BlockManager:
                 self.block_key[block] = key
             req.block_hashes.append(hash(key))
 
+    def adopt_cached(self, token_ids: list[int], blocks: list[int]) -> int:
+        """Blocks a worker's cache still holds for `token_ids` (full blocks, in order) from before
+        this block manager existed (a restarted scheduler, adoption.py): free, findable in the
+        prefix cache until reused, and handed out after every block that holds nothing. Returns
+        how many were added; a block already taken for other content ends the chain."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for key, b in zip(self._chain_keys(token_ids, len(blocks)), blocks):
+            if key in self.cache:  # a prefix two sequences share: reported by each
+                continue
+            if b in self._refs or b in self.block_key:
+                break
+            while self._fresh <= b:  # never-used blocks before it go first, as fresh ones would
+                if self._fresh != b:
+                    self.free[self._fresh] = None
+                    self.free.move_to_end(self._fresh, last=False)
+                self._fresh += 1
+            self.free[b] = None
+            self.free.move_to_end(b)  # evicted last
+            self.cache[key] = b
+            self.block_key[b] = key
+            n += 1
+        return n
+
     # ---- allocation -----------------------------------------------------------------------
     def _incref(self, block: int) -> None:
         n = self._refs.get(block, 0)

@@ -151,16 +151,6 @@ class LoRAManager:
         if slot >= 0:
             self.pins[slot] -= 1
 
-    def evict(self, name: str) -> bool:
-        """Forget adapter `name`'s unpinned slots (an unloaded adapter); -> whether one was dropped."""
-        dropped = False
-        for key, slot in list(self.slot_of.items()):
-            if key[0] == name and not self.pins[slot]:
-                del self.slot_of[key]
-                self.free.append(slot)
-                dropped = True
-        return dropped
-
     def _take_slot(self, name: str) -> int:
         if self.free:
             return self.free.pop()

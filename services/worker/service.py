@@ -7,7 +7,8 @@ address), subscribe to the group's topic and acknowledge the scheduler's probe. 
 with the sampled tokens. Joining, heartbeats (from a thread with its own socket, so a long step
 never looks like death) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s; on a
 rejoin the shard drops its state and joins again (a tensor-parallel shard exits EXIT_RESYNC:
-its group's collectives are gone). SIGTERM drains: the group takes no new work, finishes what
+its group's collectives are gone); after a scheduler restart its HELLO lists the sequences whose
+KV its cache still holds (services/worker/kept.py), for the new scheduler to reuse. SIGTERM drains: the group takes no new work, finishes what
 it runs, and the shard exits 0.
 """
 
@@ -33,8 +34,8 @@ from zeroserve.common.memory import freeze_startup_heap
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.common.transport import Channel, free_port, make_socket
 from zeroserve.services.backend_peer import BackendPeer, Refused
-from zeroserve.services.tiny_model import default_model_dir
 from zeroserve.services.worker import netif
+from zeroserve.services.worker.kept import Kept
 from zeroserve.services.worker.model_runner import ModelRunner
 
 log = get_logger("worker")
@@ -57,6 +58,20 @@ class Rejoin(Exception):
 
 
 DRAINED_WAIT_S = 1.0  # after a Shutdown we did not ask for: how long a "drained" WELCOME may lag it
+
+
+def shard_hello(runner: ModelRunner, args: EngineArgs, model_cfg: ModelConfig, **who) -> P.Hello:
+    """A shard's HELLO: its model and capacity (KV blocks, lookahead, length cap, memory, LoRA
+    slots) from its runner, and `who` it is (worker_id, group, ranks, device, host, pid, dist_init_addr;
+    after a scheduler restart, the KV it `kept`). The worker process sends it; the in-process
+    engine hands it to the same state."""
+    mem = P.ShardMemory(rss_bytes=psutil.Process().memory_info().rss, param_bytes=runner.param_bytes(),
+                        kv_bytes=runner.kv_bytes_per_block() * runner.num_blocks)
+    return P.Hello(role="worker", model=model_cfg.name, num_kv_blocks=runner.num_blocks,
+                   block_size=runner.block_size, num_lookahead_tokens=runner.num_lookahead_tokens,
+                   numeric_mode=runner.numeric_mode,
+                   max_loras=runner.lora.num_slots if runner.lora is not None else 0,
+                   max_model_len=args.max_model_len or model_cfg.max_position_embeddings, memory=mem, **who)
 
 
 class WorkerService:
@@ -88,6 +103,7 @@ class WorkerService:
         self.ctx = zmq.Context()
         self.drain_requested = threading.Event()  # SIGTERM: finish what runs, then leave
         self.peer: BackendPeer | None = None  # the scheduler connection: joins, heartbeats, rejoins
+        self.kept = Kept()  # after a scheduler restart: the KV our cache still holds, for its HELLO
         self.steps_done = 0
         self.tokens_done = 0
         self.busy_s = 0.0  # total time spent computing steps
@@ -132,17 +148,11 @@ class WorkerService:
             log.warning("collectives: no interface found; gloo/NCCL choose by the host name", why=choice.why)
 
     def _hello(self) -> P.Hello:
-        r = self.runner
-        mem = P.ShardMemory(rss_bytes=psutil.Process().memory_info().rss, param_bytes=r.param_bytes(),
-                            kv_bytes=r.kv_bytes_per_block() * r.num_blocks)
-        return P.Hello(role="worker", worker_id=self.worker_id, group=self.group, tp_rank=self.tp_rank,
-                       tp_size=self.tp_size, model=self.model_cfg.name, device=self.device,
-                       host=socket.gethostname(), pid=os.getpid(), num_kv_blocks=r.num_blocks,
-                       block_size=r.block_size, num_lookahead_tokens=r.num_lookahead_tokens,
-                       max_model_len=self.args.max_model_len or
-                       self.model_cfg.max_position_embeddings, memory=mem,
-                       dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None,
-                       max_loras=r.lora.num_slots if r.lora is not None else 0)
+        return shard_hello(self.runner, self.args, self.model_cfg, worker_id=self.worker_id, group=self.group,
+                           tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
+                           host=socket.gethostname(), pid=os.getpid(),
+                           dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None,
+                           kept=self.kept.report())
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         """After WELCOME: the tensor-parallel group, then the step socket subscribed to our topic."""
@@ -185,6 +195,7 @@ class WorkerService:
         try:
             while True:
                 welcome = self.peer.join(self._hello, self.drain_requested)
+                self.kept.clear()  # the scheduler has it, or we are leaving
                 if welcome is None:  # SIGTERM before we were welcomed, or our group was drained
                     break
                 try:
@@ -192,6 +203,8 @@ class WorkerService:
                     break
                 except Rejoin as e:
                     self._log_rejoin(str(e))
+                    if self.peer.rejoin_reason()[0] and self.tp_size == 1:  # a new scheduler: tell it our KV
+                        self.kept.take(self.runner.reqs.values(), self.runner.block_size)
                     self.runner.reqs.clear()
                     self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
                     if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
@@ -302,7 +315,7 @@ def main(args) -> int:
     wargs = from_cli_args(WorkerArgs, args)
     if wargs.threads:
         torch.set_num_threads(wargs.threads)
-    eargs = from_cli_args(EngineArgs, args, model=args.model or str(default_model_dir()))
+    eargs = from_cli_args(EngineArgs, args, model=args.model)
     svc = WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank, worker_id=wargs.worker_id,
                         heartbeat_interval_s=wargs.heartbeat_interval_s, dist_init_addr=wargs.dist_init_addr,
                         advertise_host=wargs.advertise_host, curve_keys=wargs.curve_keys,
