@@ -307,6 +307,9 @@ class KeptSeq(Message):
 
     token_ids: I32 = msgspec.field(default_factory=empty_i32)
     block_ids: I32 = msgspec.field(default_factory=empty_i32)
+    # the LoRA adapter the KV was computed under (NewRequest.lora_path; None: the base model): the
+    # blocks join that adapter's prefix chain, never the base model's
+    lora_path: Text | None = None
 
 
 class Hello(Message, kw_only=True):

@@ -139,15 +139,16 @@ class BlockManager:
                 self.block_key[block] = key
             req.block_hashes.append(hash(key))
 
-    def adopt_cached(self, token_ids: list[int], blocks: list[int]) -> int:
-        """Blocks a worker's cache still holds for `token_ids` (full blocks, in order) from before
+    def adopt_cached(self, token_ids: list[int], blocks: list[int], lora_path: str | None = None) -> int:
+        """Blocks a worker's cache still holds for `token_ids` (full blocks, in order, computed
+        under the adapter at `lora_path`: they join its chain, as lookup reads it) from before
         this block manager existed (a restarted scheduler, adoption.py): free, findable in the
         prefix cache until reused, and handed out after every block that holds nothing. Returns
         how many were added; a block already taken for other content ends the chain."""
         if not self.enable_prefix_caching:
             return 0
         n = 0
-        for key, b in zip(self._chain_keys(token_ids, len(blocks)), blocks):
+        for key, b in zip(self._chain_keys(token_ids, len(blocks), cache_root(lora_path)), blocks):
             if key in self.cache:  # a prefix two sequences share: reported by each
                 continue
             if b in self._refs or b in self.block_key:

@@ -31,9 +31,11 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class _ReqState:
-    __slots__ = ("token_ids", "num_prompt_tokens", "params", "seed", "block_ids", "num_computed", "lora_slot")
+    __slots__ = ("token_ids", "num_prompt_tokens", "params", "seed", "block_ids", "num_computed", "lora_slot",
+                 "lora_path")
 
-    def __init__(self, token_ids, num_prompt_tokens, params, seed, block_ids, num_computed, lora_slot=-1):
+    def __init__(self, token_ids, num_prompt_tokens, params, seed, block_ids, num_computed, lora_slot=-1,
+                 lora_path=None):
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
         self.params: SamplingParams = params
@@ -41,6 +43,7 @@ class _ReqState:
         self.block_ids: list[int] = list(block_ids)
         self.num_computed = num_computed
         self.lora_slot = lora_slot  # its adapter's slot in services/worker/lora.py (-1: base model)
+        self.lora_path = lora_path  # its adapter (NewRequest.lora_path), for what a restart keeps (kept.py)
 
 
 @dataclass(slots=True)
@@ -173,7 +176,7 @@ class ModelRunner:
             if old is not None and old.lora_slot >= 0:
                 self.lora.release(old.lora_slot)
             self.reqs[n.req_id] = _ReqState(n.token_ids.tolist(), n.num_prompt_tokens, n.params, n.seed,
-                                            n.block_ids.tolist(), n.num_computed_tokens, slot)
+                                            n.block_ids.tolist(), n.num_computed_tokens, slot, n.lora_path)
         c = step.cached
         for rid, computed, blocks in zip(c.req_ids, c.num_computed_tokens.tolist(), c.blocks_per_request()):
             st = self.reqs.get(rid)
