@@ -270,6 +270,38 @@ class SpeculativeArgs:
 
 
 @dataclass(kw_only=True)
+class LoRAArgs:
+    """LoRA adapters (vLLM's flags)"""
+
+    enable_lora: bool = knob(False, "serve LoRA adapters (on by itself when --lora-modules names any)")
+    lora_modules: list[str] = knob(help="an adapter to serve, NAME=PATH (a PEFT adapter directory); a request picks "
+                                        "it by model=NAME (repeatable)", metavar="NAME=PATH", factory=list)
+    max_loras: int = knob(4, "adapters resident on a worker at once (slots; least recently used ones make room)")
+    max_loras_per_batch: int | None = knob(None, "different adapters in one step (default: --max-loras)")
+    max_lora_rank: int = knob(16, "the highest adapter rank served (every slot is this wide)")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def validate_lora(self, bad) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f"{name} must be a positive integer, got {v!r}")
+        per = self.max_loras_per_batch
+        if per is not None and (not isinstance(per, int) or isinstance(per, bool) or not 1 <= per <= self.max_loras):
+            raise bad(f"max_loras_per_batch must be an integer in 1..max_loras ({self.max_loras}), got {per!r}")
+        from zeroserve.common.lora import parse_lora_modules
+
+        parse_lora_modules(self.lora_modules)
+
+    @property
+    def loras_per_batch(self) -> int:
+        return self.max_loras_per_batch or self.max_loras
+
+
+@dataclass(kw_only=True)
 class SchedulerArgs:
     """scheduling (the policy of each worker group)"""
 
@@ -484,7 +516,8 @@ class ClientArgs(CurveClientArgs):
 
 
 @dataclass(kw_only=True)
-class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs, SpeculativeArgs, SchedulerArgs):
+class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs, SpeculativeArgs, LoRAArgs,
+                 SchedulerArgs):
     """Engine arguments (vLLM's names), validated once at the boundary."""
 
     seed: int = 0
@@ -522,6 +555,7 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad(f"generation_config must be auto, none or a file path, got {self.generation_config!r}")
         self._validate_speculative(bad)
+        self.validate_lora(bad)
 
     def _validate_speculative(self, bad) -> None:
         m = self.speculative_method
@@ -537,6 +571,10 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
             raise bad("speculative_method draft needs speculative_model (a smaller model with the same tokenizer)")
         if m != "draft" and self.speculative_model:
             raise bad(f"speculative_model is only used with speculative_method draft (it is {m!r})")
+        if m != "none" and self.lora_enabled:
+            # drafts would come from the base model (or none at all); unverified with adapters
+            raise bad("speculative decoding is not supported with LoRA adapters: serve adapters with "
+                      "speculative_method none")
         if m != "none" and self.tp_size > 1:
             # every shard would have to propose and accept alike; the draft model is not sharded
             raise bad("speculative decoding is not supported with tensor parallelism (tp_size > 1): run the group "
@@ -555,11 +593,12 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
 
 
 # the engine knobs a worker takes: the policy's limits are the scheduler's, except the length cap
-WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs, SpeculativeArgs), "max_model_len")
+WORKER_ENGINE_KNOBS = (*knob_names(ModelArgs, DeviceArgs, CacheArgs, ParallelArgs, SpeculativeArgs, LoRAArgs),
+                       "max_model_len")
 
 
 @dataclass(kw_only=True)
-class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, PoolArgs, GenerationArgs, ChatArgs, SchedulerArgs,
+class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, PoolArgs, GenerationArgs, ChatArgs, LoRAArgs, SchedulerArgs,
                       LivenessArgs, MetricsArgs, CurveArgs):
     """The scheduler process: where it listens, what it serves, its policy and its timeouts."""
 

@@ -173,6 +173,7 @@ class ModelCard(Message):
     reason: Text = ""  # failed: why its load failed
     pinned: bool = False
     waiting: Count = 0  # requests queued for a group of it
+    parent: Name | None = None  # a LoRA adapter's card: its base model (vLLM's /v1/models field)
 
 
 class ModelsControl(Message):
@@ -185,6 +186,29 @@ class ModelsControl(Message):
 
 class ModelsReply(Message):
     models: list[ModelCard] = msgspec.field(default_factory=list)
+
+
+class LoadLoRA(Message):
+    """Serve the PEFT adapter at `path` (as the workers see it) as `name`, for base `model`
+    (None: the scheduler's default model). Answered with a LoRAReply."""
+
+    name: Name
+    path: Text
+    model: Name | None = None
+
+
+class UnloadLoRA(Message):
+    """Stop serving adapter `name` (workers drop it from their slots once no request holds it)."""
+
+    name: Name
+
+
+class LoRAReply(Message):
+    """The answer to LoadLoRA / UnloadLoRA: ok, or `detail` saying what does not fit."""
+
+    name: Name
+    ok: bool = True
+    detail: Text = ""
 
 
 class Output(Message):
@@ -300,6 +324,9 @@ class KeptSeq(Message):
 
     token_ids: I32 = msgspec.field(default_factory=empty_i32)
     block_ids: I32 = msgspec.field(default_factory=empty_i32)
+    # the LoRA adapter the KV was computed under (NewRequest.lora_path; None: the base model): the
+    # blocks join that adapter's prefix chain, never the base model's
+    lora_path: Text | None = None
 
 
 class Hello(Message, kw_only=True):
@@ -330,6 +357,9 @@ class Hello(Message, kw_only=True):
     numeric_mode: Annotated[str, msgspec.Meta(max_length=200)] = ""
     # after a scheduler restart: what this shard's KV cache still holds (services/worker/kept.py)
     kept: Annotated[list[KeptSeq], msgspec.Meta(max_length=MAX_KEPT_SEQS)] = msgspec.field(default_factory=list)
+    # LoRA adapter slots (--max-loras; 0 = serves no adapters): the scheduler routes adapter
+    # requests only to groups that have some, and runs at most this many adapters at once there
+    max_loras: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
     def check(self) -> str | None:
         if self.pool and self.tp_size != 1:
@@ -385,11 +415,16 @@ class NewRequest(Message):
     block_ids: I32 = msgspec.field(default_factory=empty_i32)
     num_computed_tokens: Count = 0
     num_scheduled_tokens: Count = 0
+    # the LoRA adapter `params.lora` names: its directory, as the scheduler's registry has it
+    # (--lora-modules, /v1/load_lora_adapter); the worker loads it into a slot on first use
+    lora_path: Text | None = None
     # an embedding request: once its prompt is computed the worker returns this pooling of the
     # final hidden states (StepResult.embeddings) instead of sampling a token
     pooling: Pooling | None = None
 
     def check(self) -> str | None:
+        if (self.lora_path is None) != (self.params.lora is None):
+            return "lora_path comes with params.lora (and only with it)"
         n = self.token_ids.shape[0]
         if self.num_prompt_tokens > n:
             return f"num_prompt_tokens {self.num_prompt_tokens} not in [0, {n}]"
@@ -706,7 +741,7 @@ class Event(Message):
 MESSAGE_TYPES: dict[bytes, type[Message]] = {
     cls.__name__.encode(): cls
     for cls in (Submit, Abort, Ping, Pong, StatsRequest, StatsReply, ModelsRequest, ModelsReply, MetricsRequest,
-                MetricsReply, Output, Outputs, Reattach,
+                MetricsReply, LoadLoRA, UnloadLoRA, LoRAReply, Output, Outputs, Reattach,
                 Error, Hello, Welcome, Heartbeat, Probe, ProbeAck, Step, StepResult, WorkerError, Drain, Goodbye,
                 Shutdown, Load, Unload, LoadStatus, ModelsControl, DetokNew, DetokTokens, DetokOutputs, DetokFree, Event)
 }

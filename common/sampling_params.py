@@ -110,6 +110,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     # the model pool (Ollama's keep_alive): seconds the model stays loaded once idle after this
     # request, for it and later ones that give none (negative: forever); None: the model's own
     keep_alive: float | None = None
+    # a LoRA adapter of that model, by name (common/lora.py). Here rather than on Submit: like
+    # `model` it says what computes the request, and the params travel with the request wherever
+    # it goes (the scheduler's Request, NewRequest, a requeue after failover, the n-way fan-out)
+    lora: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (vLLM's name)
 
     def __post_init__(self) -> None:
@@ -188,6 +192,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             raise bad(f"model must be a string of at most 256 characters, got {self.model!r:.100}")
         if self.keep_alive is not None and not is_num(self.keep_alive):
             raise bad(f"keep_alive must be a number of seconds (negative: forever), got {self.keep_alive!r:.100}")
+        if self.lora is not None and not (isinstance(self.lora, str) and 0 < len(self.lora) <= 256):
+            raise bad(f"lora must be an adapter's name (1 to 256 characters), got {self.lora!r:.100}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs must be a StructuredOutputsParams or a dict of its fields, got "
                       f"{type(self.structured_outputs).__name__}")
@@ -262,6 +268,13 @@ def with_model_defaults(params: SamplingParams, fields: Any, defaults: dict[str,
     if d["max_tokens"] is not None and d["min_tokens"] > d["max_tokens"]:
         d["max_tokens"] = d["min_tokens"]  # the caller's min_tokens outranks a model default
     return SamplingParams(**d)
+
+
+def with_lora(params: SamplingParams, lora: str | None) -> SamplingParams:
+    """`params` for LoRA adapter `lora` (None: the base model): a copy when that changes anything."""
+    if params.lora == lora:
+        return params
+    return SamplingParams(**{**params.to_dict(), "lora": lora})
 
 
 def unset_fields(params: Any) -> tuple[str, ...]:

@@ -11,7 +11,8 @@ Four libraries, each loaded on its own first use, each with a reason when it cou
 - csrc/qmatmul.c, quantized matmuls (kernels/quant.py): ``quant_lib()`` / ``quant_unavailable_reason()``;
 - csrc/cpu_ops.c, the per-layer small ops (kernels/cpu_ops.py): ``ops_lib()`` / ``ops_unavailable_reason()``;
 - csrc/decode_step.c, a packed model's whole decode forward (services/worker/model/cpu_step.py):
-  ``step_lib()``.
+  ``step_lib()``;
+- csrc/lora.c, LoRA deltas of a mixed-adapter batch (kernels/lora.py): ``lora_lib()``.
 
 ``ZEROSERVE_CPU_NATIVE=0`` turns all of them off.
 """
@@ -51,6 +52,7 @@ OPS_SOURCE = CSRC / "cpu_ops.c"
 # clamped exp vectorize (selects), which moves no value
 OPS_CFLAGS = QUANT_CFLAGS + ["-fno-trapping-math"]
 STEP_SOURCE = CSRC / "decode_step.c"  # includes cpu_ops.c: built with its flags
+LORA_SOURCE = CSRC / "lora.c"  # the written summation order too (batch-invariant rows): the ops' flags
 
 _lock = threading.Lock()
 
@@ -226,11 +228,25 @@ _OPS = _Native(OPS_SOURCE, OPS_CFLAGS, _bind_ops, "norms, rotary and the KV writ
 
 def _bind_step(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.zs_decode_step_f32
-    f.restype, f.argtypes = I, [P, P, P, P, P, P, P, I64, P, I, I]
+    f.restype, f.argtypes = I, [P, P, P, P, P, P, P, I64, P, I, I, P]
     return lib
 
 
 _STEP = _Native(STEP_SOURCE, OPS_CFLAGS, _bind_step, "decode steps run layer by layer from Python")
+
+
+def _bind_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
+    f = lib.zs_lora_f32
+    f.restype, f.argtypes = I, [P, I64, P, I64, P, P, P, P, P, I, I, I, I, I, I, I]
+    return lib
+
+
+_LORA = _Native(LORA_SOURCE, OPS_CFLAGS, _bind_lora, "LoRA deltas use the torch twin")
+
+
+def lora_lib() -> ctypes.CDLL | None:
+    """The compiled csrc/lora.c (``zs_lora_f32``), or None."""
+    return _LORA.get()
 
 
 def available() -> bool:

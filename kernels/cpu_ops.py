@@ -163,3 +163,4 @@ def paged_attention(
 
 
 from zeroserve.kernels.moe import fused_moe  # noqa: E402,F401 (per active expert: torch GEMMs)
+from zeroserve.kernels.lora import add_lora_cpu as add_lora  # noqa: E402,F401 (csrc/lora.c, fp32)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from zeroserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
+    "add_lora",
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_tanh_and_mul",
@@ -382,3 +383,4 @@ def _extend_group(q, out, k_cache, v_cache, bt, seq_lens, q_lens, qsl, sel, qmax
 
 
 from zeroserve.kernels.moe import fused_moe  # noqa: E402,F401 (the MoE twin lives beside its Triton launch)
+from zeroserve.kernels.lora import add_lora_twin as add_lora  # noqa: E402,F401 (the LoRA twin: kernels/lora.py)

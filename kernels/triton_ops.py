@@ -20,10 +20,12 @@ from functools import lru_cache
 
 import torch
 
+from zeroserve.kernels.lora import add_lora_triton as add_lora  # noqa: F401 (BGMV: kernels/lora.py)
 from zeroserve.kernels.metadata import AttentionMetadata
 from zeroserve.kernels.moe import align_block_size
 
 __all__ = [
+    "add_lora",
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_tanh_and_mul",

@@ -15,11 +15,11 @@ import os
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from zeroserve.common import messages as P
 from zeroserve.common.chat import check_messages
-from zeroserve.common.config import EngineArgs, SchedulerConfig
+from zeroserve.common.config import EngineArgs, LoRAArgs, SchedulerConfig
 from zeroserve.common.embeddings import request_pooling
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.model_config import ModelConfig
@@ -68,7 +68,8 @@ class LLMEngine:
             models=[model_dir], generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_tokens=args.max_num_prefill_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-            pooling=args.pooling, max_queue_len=1 << 62)  # a batch is what the caller gave: no queue cap offline
+            pooling=args.pooling, max_queue_len=1 << 62,  # a batch is what the caller gave: no queue cap offline
+            **{f.name: getattr(args, f.name) for f in fields(LoRAArgs)})  # the adapters: the cluster's registry
         models = load_models(cfg.models, cfg.generation_config, cfg.pooling)
         self.name = self.model_cfg.name
         self.sampling_defaults = models[self.name].sampling_defaults
@@ -176,6 +177,14 @@ class LLMEngine:
         self._deliver(self.cluster.on_abort(CLIENT_ID, P.Abort(request_id=request_id), time.monotonic()))
         self._deliver(self.cluster.flush())  # its final (abort) outputs go nowhere: nobody waits
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name`: the cluster's LoadLoRA (checked against the model)."""
+        self._deliver(self.cluster.loras.on_load(CLIENT_ID, P.LoadLoRA(name=name, path=path), time.monotonic()))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """The cluster's UnloadLoRA (the worker's slot is reused once no request holds it)."""
+        self._deliver(self.cluster.loras.on_unload(CLIENT_ID, P.UnloadLoRA(name=name), time.monotonic()))
+
     def has_unfinished(self) -> bool:
         return bool(self.cluster.live) or self.scheduler.has_work()
 
@@ -248,6 +257,8 @@ class LLMEngine:
         if isinstance(msg, P.Error):
             self.tracked.pop(msg.request_id, None)
             raise msg.to_exception()
+        if isinstance(msg, P.LoRAReply) and not msg.ok:
+            raise InvalidRequest(msg.detail)
         if not isinstance(msg, P.Outputs):
             return
         for item in msg.items:

@@ -157,12 +157,16 @@ class Net:
         return ob
 
     # -------------------------------------------------------------- peers
-    def join(self, group: str, tp: int = 1, blocks: int = 64) -> list[FakeWorker]:
+    def join(self, group: str, tp: int = 1, blocks: int = 64, max_loras: int = 0,
+             kept: list[P.KeptSeq] | None = None) -> list[FakeWorker]:
+        """A group of `tp` shards joins and is probed ready; `kept`: rank 0's Hello.kept (the KV
+        its cache held when the scheduler restarted)."""
         shards = [FakeWorker(f"{group}-r{r}") for r in range(tp)]
         for r, w in enumerate(shards):
             h = P.Hello(role="worker", worker_id=w.worker_id, group=group, tp_rank=r, tp_size=tp, model=MODEL,
                         num_kv_blocks=blocks, block_size=16, max_model_len=2048,
-                        dist_init_addr="tcp://rank0:29500" if r == 0 else None)
+                        dist_init_addr="tcp://rank0:29500" if r == 0 else None, max_loras=max_loras,
+                        kept=(kept or []) if r == 0 else [])
             self.send(self.c.on_hello(w.ident, h, self.now))
             assert self.backend[w.ident][-1].status == "accepted"
         self.now += 0.2
@@ -182,8 +186,9 @@ class Net:
         self.detok = d
         return d
 
-    def submit(self, rid: str, prompt: list[int], max_tokens: int, client: bytes = CLIENT_ID, **kw) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    def submit(self, rid: str, prompt: list[int], max_tokens: int, client: bytes = CLIENT_ID, lora: str | None = None,
+               **kw) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, lora=lora)
         self.send(self.c.on_submit(client, P.Submit(request_id=rid, prompt_token_ids=np.asarray(prompt, np.int32),
                                                     params=params, **kw), self.now))
 

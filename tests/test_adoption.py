@@ -142,6 +142,8 @@ def test_adopted_blocks_are_found_and_handed_out_last():
     assert bm.adopt_cached(toks[:8], [9, 2]) == 0, "a shared prefix reported again adds nothing"
     assert bm.adopt_cached([1, 2, 3, 4, 5, 6, 7, 8], [2, 7]) == 0, "block 2 holds other tokens: the chain ends"
     assert bm.lookup(toks + [99]) == [9, 2, 5] and bm.num_free_blocks == 16
+    assert bm.adopt_cached(list(range(30, 34)), [11], lora_path="/a/x") == 1  # KV computed under an adapter
+    assert bm.lookup(list(range(30, 35))) == [] and bm.lookup(list(range(30, 35)), "/a/x") == [11]
     r = Request("x", [50] * 40, SamplingParams(max_tokens=1), 0, 64)
     got = bm.allocate(r, 40)  # 10 blocks: the never-used ones first, the kept ones last
     assert not set(got) & {9, 2, 5} and bm.lookup(toks + [99]) == [9, 2, 5]
@@ -185,8 +187,8 @@ def test_a_worker_keeps_full_computed_blocks_for_a_while():
     from zeroserve.services.worker.kept import KEPT_TTL_S, Kept
 
     k = Kept()
-    k.take([SimpleNamespace(token_ids=list(range(40)), num_computed=37, block_ids=[4, 5, 6]),
-            SimpleNamespace(token_ids=[1, 2, 3], num_computed=3, block_ids=[7])], 16, now=0.0)
-    (s,) = k.report(now=1.0)  # two full computed blocks; the short one holds none
-    assert s.token_ids.tolist() == list(range(32)) and s.block_ids.tolist() == [4, 5]
+    k.take([SimpleNamespace(token_ids=list(range(40)), num_computed=37, block_ids=[4, 5, 6], lora_path="/a/x"),
+            SimpleNamespace(token_ids=[1, 2, 3], num_computed=3, block_ids=[7], lora_path=None)], 16, now=0.0)
+    (s,) = k.report(now=1.0)  # two full computed blocks (and their adapter); the short one holds none
+    assert s.token_ids.tolist() == list(range(32)) and s.block_ids.tolist() == [4, 5] and s.lora_path == "/a/x"
     assert k.report(now=KEPT_TTL_S + 1) == [] and k.report(now=2.0) == []

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(60)
 WAIT = 5.0  # seconds; generous, never reached when things work
 
 TINY_CARD = [{"id": "tiny", "max_model_len": 128, "groups": 1, "tool_call_parser": "", "state": "loaded", "reason": "",
-              "pinned": False, "waiting": 0}]  # the fake scheduler's one ModelCard, as models() gives it
+              "pinned": False, "waiting": 0, "parent": None}]  # the fake scheduler's one ModelCard, as models() gives it
 
 
 # ================================================================================================

@@ -222,3 +222,16 @@ def test_up_with_a_catalog_starts_pool_workers(tmp_path):
     for extra in (["--model", str(tmp_path)], ["--tp", "2"]):
         with pytest.raises(InvalidRequest, match="pool members"):
             up_main(build_parser().parse_args(["up", "--models-dir", str(tmp_path), *extra]))
+
+
+def test_up_gives_the_lora_flags_to_the_scheduler_and_every_worker():
+    from zeroserve.services.launcher import plan_children
+
+    up = build_parser().parse_args(["up", "--tp", "2", "--lora-modules", "sql=/a/sql", "--lora-modules", "chat=/a/c",
+                                    "--max-loras", "3", "--max-lora-rank", "32"])
+    children = plan_children(up, "/m")
+    sched = from_cli_args(SchedulerConfig, build_parser().parse_args(children[0].argv[3:]))
+    assert (sched.lora_modules, sched.max_loras, sched.max_lora_rank) == (["sql=/a/sql", "chat=/a/c"], 3, 32)
+    for c in children[2:]:
+        e = from_cli_args(EngineArgs, build_parser().parse_args(c.argv[3:]))
+        assert e.lora_enabled and (e.max_loras, e.max_lora_rank) == (3, 32)

@@ -73,6 +73,50 @@ def test_decode_steps_equal_the_python_forward(arch, quantization, bf16):
             nxt = {i: [int(logits[b].argmax())] for b, i in enumerate(prompts)}
 
 
+@pytest.mark.parametrize("arch,quantization,bf16", [("llama", "int4", False), ("qwen2", "int8", False),
+                                                    ("llama", "int4", True)])
+def test_decode_steps_with_lora_equal_the_python_forward(arch, quantization, bf16):
+    """LoRA adapters in the step (services/worker/lora.py's slots, random A and B): rows of two
+    adapters and of the base model, the compiled step = the Python forward bit for bit (Qwen2:
+    the adapter's delta after the q/k/v bias, as the Python path adds it), in fp32 and in the
+    bf16 numeric mode (base linears in the bf16 regime, the deltas in fp32 either way)."""
+    from zeroserve.services.worker.lora import LoRAManager
+
+    cfg, model = _model(arch, quantization)
+    numerics.apply(model, bf16)
+    model._cpu_step()  # built before the adapters attach: attaching must rebuild it with their slots
+    lora = LoRAManager(model, cfg, CPU, 2, 4, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(7)
+    for lin in lora.linears.values():
+        lin.at.copy_(torch.randn(lin.at.shape, generator=g) * 0.2)
+        lin.bt.copy_(torch.randn(lin.bt.shape, generator=g) * 0.2)
+    lora.ctx.scale.copy_(torch.tensor([0.5, 2.0]))
+    step = model._cpu_step()
+    assert isinstance(step, CpuDecodeStep) and step.has_lora
+    kv = PagedKV(model, num_blocks=48, block_size=4, order="random", seed=1)
+    lens = [1, 3, 4, 9, 17]
+    owner = [0, -1, 1, 0, 1]
+    prompts = {i: random_prompt(n, cfg.vocab_size, seed=20 + i) for i, n in enumerate(lens)}
+    with torch.inference_mode():
+        ids, pos, meta, _ = kv.step(list(prompts.items()))
+        lora.set_batch([owner[i] for i, n in enumerate(lens) for _ in range(n)])
+        model(ids, pos, kv.caches, meta)
+        twin = copy.deepcopy(kv)
+        nxt = {i: [int(p[-1])] for i, p in prompts.items()}
+        for k in range(4):
+            items = [(i, nxt[i]) for i in prompts]
+            lora.set_batch(owner)
+            ids, pos, meta, _ = kv.step(items)
+            got = model(ids, pos, kv.caches, meta)
+            ids2, pos2, meta2, _ = twin.step(items)
+            want = _python_forward(model, ids2, pos2, twin.caches, meta2)
+            assert torch.equal(got, want), (arch, k, (got - want).abs().max())
+            lora.set_batch(None)
+            base = _python_forward(model, ids2, pos2, copy.deepcopy(twin).caches, meta2)
+            assert not torch.equal(base[0], got[0]) and torch.equal(base[1], got[1])  # adapter rows only
+            nxt = {i: [int(v)] for i, v in zip(prompts, model.compute_logits(got).argmax(-1).tolist())}
+
+
 def test_stands_aside_where_it_does_not_apply(monkeypatch):
     _, floats = _model("llama", "none")
     assert CpuDecodeStep.build(floats) is None  # float linears: the Python path

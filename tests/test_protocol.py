@@ -96,7 +96,11 @@ def sample_messages() -> dict[type, list]:
         M.ModelsRequest: [M.ModelsRequest()],
         M.ModelsReply: [M.ModelsReply(models=[M.ModelCard(id="tiny", max_model_len=256, groups=2), M.ModelCard(id="b"),
                                               M.ModelCard(id="c", state="failed", reason="bad file", waiting=3)]),
-                        M.ModelsReply()],
+                        M.ModelsReply(),
+                        M.ModelsReply(models=[M.ModelCard(id="tiny"), M.ModelCard(id="sql-lora", parent="tiny")])],
+        M.LoadLoRA: [M.LoadLoRA(name="sql-lora", path="/adapters/sql"), M.LoadLoRA(name="x", path="/a", model="tiny")],
+        M.UnloadLoRA: [M.UnloadLoRA(name="sql-lora")],
+        M.LoRAReply: [M.LoRAReply(name="sql-lora"), M.LoRAReply(name="x", ok=False, detail="rank 64 is above 16")],
         M.MetricsRequest: [M.MetricsRequest()],
         M.MetricsReply: [M.MetricsReply(text='# TYPE zeroserve:num_requests_running gauge\nzeroserve:num_requests_running{model_name="tiny"} 2.0\n'),
                          M.MetricsReply()],
@@ -130,6 +134,7 @@ def sample_messages() -> dict[type, list]:
             ),
             M.Hello(role="detokenizer", worker_id="detok-1"),
             M.Hello(role="worker", worker_id="p0", pool=True, memory_budget_bytes=2 << 30),
+            M.Hello(role="worker", worker_id="w-lora", max_loras=8),
         ],
         M.Welcome: [
             M.Welcome(
@@ -146,7 +151,9 @@ def sample_messages() -> dict[type, list]:
         M.Heartbeat: [M.Heartbeat(worker_id="w0", stats={"steps": 10, "busy": 0.25})],
         M.Probe: [M.Probe(probe_id="p-1")],
         M.ProbeAck: [M.ProbeAck(worker_id="w0", probe_id="p-1")],
-        M.Step: [step, M.Step(seq=0, group="g1")],
+        M.Step: [step, M.Step(seq=0, group="g1"),
+                 M.Step(seq=1, new_reqs=[M.NewRequest(req_id="l", token_ids=arr([1]), num_prompt_tokens=1,
+                                                      params=SamplingParams(lora="sql"), lora_path="/adapters/sql")])],
         M.StepResult: [
             M.StepResult(
                 seq=42,
@@ -1496,3 +1503,11 @@ def test_pool_messages_refuse_what_their_fields_cannot_say():
             msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=M.LoadStatus)
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(msgspec.msgpack.encode(["reload", "tiny"]), type=M.ModelsControl)
+
+
+def test_new_request_lora_path_comes_with_params_lora():
+    with pytest.raises(ValueError, match="lora_path comes with params.lora"):
+        M.NewRequest(req_id="a", token_ids=np.array([1], np.int32), num_prompt_tokens=1, lora_path="/a")
+    with pytest.raises(ValueError, match="lora_path comes with params.lora"):
+        M.NewRequest(req_id="a", token_ids=np.array([1], np.int32), num_prompt_tokens=1,
+                     params=SamplingParams(lora="x"))

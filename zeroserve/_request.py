@@ -15,7 +15,7 @@ from zeroserve.common import messages as P
 from zeroserve.common.chat import check_messages
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.outputs import Logprob, RequestOutput, completion_from_items, embedding_from_items, item_logprobs
-from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields
+from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields, with_lora
 
 log = logging.getLogger("zeroserve.client")
 
@@ -71,6 +71,18 @@ def _check_params(params: Any) -> SamplingParams:
         if "max_tokens" not in params and isinstance(mt, int) and not isinstance(mt, bool) and mt > 16:
             params = {**params, "max_tokens": mt}  # unset: the model's default (or 16) applies, raised to it
         return SamplingParams.from_dict(params)
+    raise InvalidRequest(f"params must be a SamplingParams or a dict of its fields, got {type(params).__name__}")
+
+
+def _with_lora(params: Any, lora: str | None) -> Any:
+    """The caller's params with ``lora`` set (unchanged for None): a dict stays a dict, so the
+    fields it leaves unset still take the model's defaults."""
+    if lora is None:
+        return params
+    if params is None or isinstance(params, dict):
+        return {**(params or {}), "lora": lora}
+    if isinstance(params, SamplingParams):
+        return with_lora(params, lora)
     raise InvalidRequest(f"params must be a SamplingParams or a dict of its fields, got {type(params).__name__}")
 
 

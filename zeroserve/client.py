@@ -82,6 +82,7 @@ from zeroserve._request import (
     _check_timeout,
     _model_defaults,
     _Req,
+    _with_lora,
 )
 from zeroserve.liveness import LivenessMixin
 from zeroserve.streams import AsyncStream
@@ -178,7 +179,8 @@ class AsyncClient(LivenessMixin):
         self._pongs: dict[int, asyncio.Future] = {}
         self._replies: dict[type, collections.deque] = {P.StatsReply: collections.deque(),
                                                         P.ModelsReply: collections.deque(),
-                                                        P.MetricsReply: collections.deque()}
+                                                        P.MetricsReply: collections.deque(),
+                                                        P.LoRAReply: collections.deque()}
         self._nonces = itertools.count(1)
         self._nonce = 0  # the last Ping nonce issued
         self._scheduler_id: str | None = None  # from the last Pong that named one
@@ -341,13 +343,15 @@ class AsyncClient(LivenessMixin):
 
     async def generate(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                        *, request_timeout_s: float | None = None,
-                       model_defaults: bool | list[str] | None = None) -> RequestOutput:
+                       model_defaults: bool | list[str] | None = None, lora: str | None = None) -> RequestOutput:
         """Run one request to the end -> RequestOutput (n > 1 completions in index order).
 
         The model's generation config (``generation_config.json``; ``--generation-config``)
         fills the sampling fields ``params`` leaves unset, as in vLLM: all of them for None,
         those a dict does not name; a SamplingParams runs as given. ``model_defaults`` overrides
-        that choice (True, False, or a list of field names)."""
+        that choice (True, False, or a list of field names). ``lora``: a served LoRA adapter's name
+        (sets ``params.lora``; the same as ``model`` = the adapter's name)."""
+        params = _with_lora(params, lora)
         defaults = _model_defaults(params, model_defaults)
         r = self._submit(prompt, params, request_id, request_timeout_s, streaming=False, model_defaults=defaults)
         try:
@@ -392,12 +396,13 @@ class AsyncClient(LivenessMixin):
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                *, request_timeout_s: float | None = None,
-               model_defaults: bool | list[str] | None = None) -> AsyncStream:
+               model_defaults: bool | list[str] | None = None, lora: str | None = None) -> AsyncStream:
         """An async iterator of StreamDelta; the request is sent on the first ``__anext__``.
         Leaving early (break, ``aclose()``, cancellation) aborts the request. ``params`` and
-        ``model_defaults`` as in ``generate``."""
+        ``model_defaults`` and ``lora`` as in ``generate``."""
         if not isinstance(prompt, Conversation):  # fail fast, before anything is iterated
             prompt = _Checked(split_prompt(prompt))
+        params = _with_lora(params, lora)
         defaults = _model_defaults(params, model_defaults)
         params = _check_params(params)
         _check_timeout("request_timeout_s", request_timeout_s)
@@ -406,7 +411,8 @@ class AsyncClient(LivenessMixin):
     async def chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                    *, request_timeout_s: float | None = None, model_defaults: bool | list[str] | None = None,
                    tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                   parallel_tool_calls: bool | None = None, tool_parser: str | None = None) -> RequestOutput:
+                   parallel_tool_calls: bool | None = None, tool_parser: str | None = None,
+                   lora: str | None = None) -> RequestOutput:
         """``generate`` for a conversation ([{"role": "user", "content": "..."}, ...]): the cluster
         applies the model's chat template with the generation prompt.
 
@@ -416,6 +422,7 @@ class AsyncClient(LivenessMixin):
         function are enforced by a grammar; "auto" parses what the model wrote, in ``tool_parser``'s
         format (default: the one the scheduler recognised in the chat template)."""
         spec = check_tools(tools, tool_choice, parallel_tool_calls)
+        params = _with_lora(params, lora)
         defaults = _model_defaults(params, model_defaults)  # of the caller's params, before the constraint
         out = await self.generate(Conversation(messages, spec.tools if spec else None), constrained_params(params, spec),
                                   request_id, request_timeout_s=request_timeout_s, model_defaults=defaults)
@@ -431,11 +438,12 @@ class AsyncClient(LivenessMixin):
     def stream_chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                     *, request_timeout_s: float | None = None, model_defaults: bool | list[str] | None = None,
                     tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                    parallel_tool_calls: bool | None = None) -> AsyncStream:
+                    parallel_tool_calls: bool | None = None, lora: str | None = None) -> AsyncStream:
         """``stream`` for a conversation. With ``tools``, the template shows them and "required"
         or a named function constrains the output; the deltas are the model's raw text (the
         gateway turns them into OpenAI's streamed tool_calls: common/tool_parsers.py)."""
         spec = check_tools(tools, tool_choice, parallel_tool_calls)
+        params = _with_lora(params, lora)
         defaults = _model_defaults(params, model_defaults)
         return self.stream(Conversation(messages, spec.tools if spec else None), constrained_params(params, spec),
                            request_id, request_timeout_s=request_timeout_s, model_defaults=defaults)
@@ -495,8 +503,9 @@ class AsyncClient(LivenessMixin):
         return (await self._ask(P.StatsRequest(), P.StatsReply)).stats
 
     async def models(self) -> list[dict]:
-        """Every model, with the pool's view: [{"id", "max_model_len", "groups", "tool_call_parser",
-        "state" (available | loading | loaded | unloading | failed), "reason", "pinned", "waiting"}, ...]."""
+        """Every model, with the pool's view, then the LoRA adapters: [{"id", "max_model_len", "groups",
+        "tool_call_parser", "state" (available | loading | loaded | unloading | failed), "reason", "pinned",
+        "waiting", "parent" (an adapter's base model, None for a model)}, ...]."""
         return [msgspec.structs.asdict(m) for m in (await self._ask(P.ModelsRequest(), P.ModelsReply)).models]
 
     async def load_model(self, model: str) -> list[dict]:
@@ -509,6 +518,19 @@ class AsyncClient(LivenessMixin):
         """Ask the model pool to unload a catalog model (each copy once it has no requests)."""
         return [msgspec.structs.asdict(m) for m in
                 (await self._ask(P.ModelsControl(action="unload", model=model), P.ModelsReply)).models]
+
+    async def load_lora_adapter(self, name: str, path: str, model: str | None = None) -> None:
+        """Serve the PEFT adapter at `path` (a directory the workers can read) as `name`, for base
+        `model` (default: the cluster's first); InvalidRequest names what does not fit."""
+        reply = await self._ask(P.LoadLoRA(name=name, path=str(path), model=model), P.LoRAReply)
+        if not reply.ok:
+            raise InvalidRequest(reply.detail)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`; InvalidRequest when it is not loaded."""
+        reply = await self._ask(P.UnloadLoRA(name=name), P.LoRAReply)
+        if not reply.ok:
+            raise InvalidRequest(reply.detail)
 
     async def metrics(self) -> str:
         """The scheduler's Prometheus metrics, in the text exposition format."""

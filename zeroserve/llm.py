@@ -8,7 +8,7 @@ from zeroserve.common.config import EngineArgs
 from zeroserve.common.errors import InvalidRequest
 from zeroserve.common.embeddings import finish_embedding
 from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
-from zeroserve.common.sampling_params import SamplingParams
+from zeroserve.common.sampling_params import SamplingParams, with_lora
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
 from zeroserve.services.engine import LLMEngine
 
@@ -30,8 +30,20 @@ class LLM:
         generation_config.json (``generation_config="auto"``) over SamplingParams' defaults."""
         return self.engine.default_sampling_params()
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (checked against the model: an adapter that
+        does not fit raises InvalidRequest naming what is wrong; without enable_lora (or
+        lora_modules) every adapter is refused)."""
+        self.engine.load_lora_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (requests that use it must have finished)."""
+        self.engine.unload_lora_adapter(name)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """``lora``: a served LoRA adapter's name for every prompt, or one name (None: the base
+        model) per prompt; it sets each request's ``SamplingParams.lora``."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:  # the model's generation config over SamplingParams' defaults
             sampling_params = self.get_default_sampling_params()
@@ -42,6 +54,12 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequest(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                      "pass one for all or one per prompt")
+        if lora is not None:
+            loras = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
+            if len(loras) != len(prompts):
+                raise InvalidRequest(f"got {len(loras)} LoRA names for {len(prompts)} prompts; "
+                                     "pass one for all or one per prompt")
+            params = [with_lora(p, name) for p, name in zip(params, loras)]
         return self._run([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
 
     def embed(self, prompts, pooling: str | None = None, normalize: bool = True, dimensions: int | None = None,
@@ -88,7 +106,7 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-             tool_parser: str | None = None) -> list[RequestOutput]:
+             tool_parser: str | None = None, lora: str | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
         them, through the model's chat template (or `chat_template`, the template's text).
         ``tools`` / ``tool_choice`` as in OpenAI's API (see AsyncClient.chat); the calls are
@@ -104,7 +122,7 @@ class LLM:
             else:
                 sampling_params = [constrained_params(p, spec) for p in sampling_params]
         outs = self.generate([{"messages": c, "chat_template": chat_template, "tools": spec.tools if spec else None}
-                              for c in convs], sampling_params, use_tqdm=use_tqdm)
+                              for c in convs], sampling_params, use_tqdm=use_tqdm, lora=lora)
         if spec is not None:
             if tool_parser is None and spec.choice == "auto":
                 from zeroserve.common.tool_parsers import parser_for_template

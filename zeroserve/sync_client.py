@@ -110,10 +110,10 @@ class Client:
 
     def generate(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                  *, request_timeout_s: float | None = None,
-                 model_defaults: bool | list[str] | None = None) -> RequestOutput:
-        """Run one request to the end; ``params`` and ``model_defaults`` as in ``AsyncClient.generate``."""
+                 model_defaults: bool | list[str] | None = None, lora: str | None = None) -> RequestOutput:
+        """Run one request to the end; ``params``, ``model_defaults`` and ``lora`` as in ``AsyncClient.generate``."""
         return self._call(self._ac.generate(prompt, params, request_id, request_timeout_s=request_timeout_s,
-                                            model_defaults=model_defaults))
+                                            model_defaults=model_defaults, lora=lora))
 
     def embed(self, prompts: Any, model: str | None = None, *, pooling: str | None = None, normalize: bool = True,
               dimensions: int | None = None, request_timeout_s: float | None = None) -> list[EmbeddingOutput]:
@@ -123,26 +123,34 @@ class Client:
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                *, request_timeout_s: float | None = None,
-               model_defaults: bool | list[str] | None = None) -> SyncStream:
+               model_defaults: bool | list[str] | None = None, lora: str | None = None) -> SyncStream:
         return SyncStream(self, self._ac.stream(prompt, params, request_id, request_timeout_s=request_timeout_s,
-                                                model_defaults=model_defaults))
+                                                model_defaults=model_defaults, lora=lora))
 
     def chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
              *, request_timeout_s: float | None = None, model_defaults: bool | list[str] | None = None,
              tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-             parallel_tool_calls: bool | None = None, tool_parser: str | None = None) -> RequestOutput:
+             parallel_tool_calls: bool | None = None, tool_parser: str | None = None,
+             lora: str | None = None) -> RequestOutput:
         """Run a conversation through the model's chat template -> RequestOutput; ``tools`` and
         ``tool_choice`` as in AsyncClient.chat (the parsed calls in each completion's ``tool_calls``)."""
         return self._call(self._ac.chat(messages, params, request_id, request_timeout_s=request_timeout_s,
                                         model_defaults=model_defaults, tools=tools, tool_choice=tool_choice,
-                                        parallel_tool_calls=parallel_tool_calls, tool_parser=tool_parser))
+                                        parallel_tool_calls=parallel_tool_calls, tool_parser=tool_parser, lora=lora))
 
     def stream_chat(self, messages: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                     *, request_timeout_s: float | None = None,
-                    model_defaults: bool | list[str] | None = None) -> SyncStream:
+                    model_defaults: bool | list[str] | None = None, lora: str | None = None) -> SyncStream:
         return SyncStream(self, self._ac.stream_chat(messages, params, request_id,
                                                      request_timeout_s=request_timeout_s,
-                                                     model_defaults=model_defaults))
+                                                     model_defaults=model_defaults, lora=lora))
+
+    def load_lora_adapter(self, name: str, path: str, model: str | None = None) -> None:
+        """Serve the PEFT adapter at `path` as `name` (AsyncClient.load_lora_adapter)."""
+        self._call(self._ac.load_lora_adapter(name, path, model))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._call(self._ac.unload_lora_adapter(name))
 
     def abort(self, request_id: str) -> None:
         self._call(self._ac.abort(request_id))

@@ -19,7 +19,13 @@
  *   linear runs in the bf16 regime, G_QMM_BF16 its kernel);
  *   layers[l * L_WORDS + ...]: four linears (qkv, o, gate_up, down; each LIN_WORDS words:
  *   format, weight, row stride, scales, mins, scale stride, group, bias), the norm weights and
- *   the layer's K and V caches. f[0] = rms eps, f[1] = attention scale.
+ *   the layer's K and V caches, then each linear's LoRA slots (LO_WORDS words: A^T, B^T, part
+ *   bounds, parts; zero: none). f[0] = rms eps, f[1] = attention scale.
+ *
+ * LoRA adapters (csrc/lora.c, included below): with `lora_slots` (each row's adapter slot, -1 =
+ * none) every linear that has slots adds its rows' deltas right after the matmul (after its bias
+ * on column-parallel q|k|v, before it on row-parallel o, as the Python path orders them), each
+ * thread for its own rows: a row's delta needs only that row, so no barrier is added.
  */
 #include <sched.h>
 #include <stdatomic.h>
@@ -29,12 +35,15 @@
 #endif
 
 #include "cpu_ops.c"
+#include "lora.c"
 
 enum { G_LAYERS, G_H, G_HQ, G_HK, G_D, G_I, G_ROT, G_MAX_POS, G_COS_SIN, G_QK_NORM, G_FINAL_NORM, G_QMM,
-       G_DECODE, G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16, G_WORDS };
+       G_DECODE, G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16, G_LORA_SCALE, G_LORA_R, G_LORA_S, G_WORDS };
 enum { LIN_FMT, LIN_W, LIN_WSTRIDE, LIN_SCALES, LIN_MINS, LIN_SSTRIDE, LIN_GROUP, LIN_BIAS, LIN_WORDS };
+enum { LO_AT, LO_BT, LO_BOUNDS, LO_P, LO_WORDS };
 enum { L_QKV = 0, L_O = LIN_WORDS, L_GU = 2 * LIN_WORDS, L_DOWN = 3 * LIN_WORDS, L_IN_NORM = 4 * LIN_WORDS,
-       L_POST_NORM, L_Q_NORM, L_K_NORM, L_K_CACHE, L_V_CACHE, L_WORDS };
+       L_POST_NORM, L_Q_NORM, L_K_NORM, L_K_CACHE, L_V_CACHE, L_LO_QKV, L_LO_O = L_LO_QKV + LO_WORDS,
+       L_LO_GU = L_LO_O + LO_WORDS, L_LO_DOWN = L_LO_GU + LO_WORDS, L_WORDS = L_LO_DOWN + LO_WORDS };
 
 typedef int (*qmm_fn)(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
                       int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy, int T, int N,
@@ -99,6 +108,16 @@ static void add_bias(const int64_t *lin, float *y, int T, int N, int cnt, int id
         for (int n = 0; n < N; n++) y[(int64_t)t * N + n] += b[n];
 }
 
+/* Rows [t0, t1) of y[T, N] += their LoRA deltas from x[T, K] (the linear's slots at lo; nothing
+ * without lora_slots or slots on this linear). */
+static int lora_rows(const int64_t *g, const int64_t *lo, const int32_t *lora_slots, const float *x, int K, float *y,
+                     int N, int t0, int t1) {
+    if (lora_slots == NULL || lo[LO_AT] == 0) return 0;
+    return zs_lora_rows_f32(y, N, x, K, PTR(const float *, lo[LO_AT]), PTR(const float *, lo[LO_BT]),
+                            PTR(const float *, g[G_LORA_SCALE]), lora_slots, PTR(const int64_t *, lo[LO_BOUNDS]),
+                            (int)lo[LO_P], t0, t1, K, N, (int)g[G_LORA_R], (int)g[G_LORA_S]);
+}
+
 typedef struct {  /* the step's activations, [T, ...] each */
     float *res, *h, *out, *qkv, *qr, *kr, *attn, *gu, *act, *qn, *kn;
 } bufs_t;
@@ -107,7 +126,8 @@ typedef struct {  /* the step's activations, [T, ...] each */
  * goes to *err, and from then on every thread skips its work. */
 static void step_thread(const int64_t *g, const float *f, const int64_t *layers, float *hidden, const int64_t *pos,
                         const int64_t *slots, const int32_t *bt, int64_t bt_stride, const int32_t *seq_lens, int T,
-                        const bufs_t *B, barrier_t *bar, atomic_int *err, int id, int cnt) {
+                        const int32_t *lora_slots, const bufs_t *B, barrier_t *bar, atomic_int *err, int id,
+                        int cnt) {
     const int L = (int)g[G_LAYERS], H = (int)g[G_H], Hq = (int)g[G_HQ], Hk = (int)g[G_HK], D = (int)g[G_D];
     const int I = (int)g[G_I], qs = Hq * D, kvs = Hk * D, nqkv = qs + 2 * kvs;
     const float eps = f[0], scale = f[1];
@@ -137,6 +157,7 @@ static void step_thread(const int64_t *g, const float *f, const int64_t *layers,
         SYNC;
         if (OK && nt > 0) {
             add_bias(ly + L_QKV, B->qkv, T, nqkv, cnt, id);
+            FAIL(lora_rows(g, ly + L_LO_QKV, lora_slots, B->h, H, B->qkv, nqkv, t0, t1));
             const float *q = B->qkv + (int64_t)t0 * nqkv, *k = q + qs;
             int64_t q_ld = nqkv, k_ld = nqkv;
             if (g[G_QK_NORM]) {  /* Qwen3: per-head RMSNorm of q and k before the rotary */
@@ -166,6 +187,7 @@ static void step_thread(const int64_t *g, const float *f, const int64_t *layers,
         if (OK) FAIL(linear(g, ly + L_O, B->attn, B->out, T, H, qs, cnt, id));
         SYNC;
         if (OK && nt > 0) {
+            FAIL(lora_rows(g, ly + L_LO_O, lora_slots, B->attn, qs, B->out, H, t0, t1));
             add_bias(ly + L_O, B->out, T, H, cnt, id);
             FAIL(zs_add_rms_norm_f32(B->out + (int64_t)t0 * H, H, B->res + (int64_t)t0 * H, H,
                                      PTR(const float *, ly[L_POST_NORM]), B->h + (int64_t)t0 * H, H,
@@ -174,11 +196,15 @@ static void step_thread(const int64_t *g, const float *f, const int64_t *layers,
         SYNC;
         if (OK) FAIL(linear(g, ly + L_GU, B->h, B->gu, T, 2 * I, H, cnt, id));
         SYNC;
-        if (OK && nt > 0)
+        if (OK && nt > 0) {
+            FAIL(lora_rows(g, ly + L_LO_GU, lora_slots, B->h, H, B->gu, 2 * I, t0, t1));
             FAIL(zs_silu_and_mul_f32(B->gu + (int64_t)t0 * 2 * I, 2 * I, B->act + (int64_t)t0 * I, I, nt, I, 1));
+        }
         SYNC;
         if (OK) FAIL(linear(g, ly + L_DOWN, B->act, B->out, T, H, I, cnt, id));
         SYNC;
+        if (OK && nt > 0)  /* the next norm reads only this thread's rows: no barrier after it */
+            FAIL(lora_rows(g, ly + L_LO_DOWN, lora_slots, B->act, I, B->out, H, t0, t1));
         x = B->out;
     }
     if (OK && nt > 0) {
@@ -196,16 +222,20 @@ static void step_thread(const int64_t *g, const float *f, const int64_t *layers,
 
 /* hidden [T, H]: the token embeddings in, the final-normed hidden states out. One decode token
  * per request: request t has seq_lens[t] tokens after this one is written at slots[t].
- * Returns 0; -2 for a position past the rotary table or a slot past the cache (checked before
- * anything is written); -3 out of memory; another negative value from a kernel. */
+ * lora_slots: each row's LoRA adapter slot (-1 = none), or NULL (no adapters in the step).
+ * Returns 0; -2 for a position past the rotary table, a slot past the cache or an adapter slot
+ * past the table (checked before anything is written); -3 out of memory; another negative value
+ * from a kernel. */
 int zs_decode_step_f32(const int64_t *g, const float *f, const int64_t *layers, float *hidden, const int64_t *pos,
                        const int64_t *slots, const int32_t *bt, int64_t bt_stride, const int32_t *seq_lens, int T,
-                       int threads) {
+                       int threads, const int32_t *lora_slots) {
     const int H = (int)g[G_H], Hq = (int)g[G_HQ], Hk = (int)g[G_HK], D = (int)g[G_D], I = (int)g[G_I];
     const int qs = Hq * D, kvs = Hk * D, nqkv = qs + 2 * kvs;
     if (T <= 0) return T == 0 ? 0 : -1;
     for (int t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= g[G_MAX_POS] || slots[t] >= g[G_SLOTS]) return -2;
+        if (pos[t] < 0 || pos[t] >= g[G_MAX_POS] || slots[t] >= g[G_SLOTS] ||
+            (lora_slots != NULL && (lora_slots[t] < -1 || lora_slots[t] >= g[G_LORA_S])))
+            return -2;
     const int64_t per_tok = 3 * (int64_t)H + nqkv + 2 * (int64_t)qs + kvs + 3 * (int64_t)I + (g[G_QK_NORM] ? qs + kvs : 0);
     float *buf = malloc(sizeof(float) * per_tok * T);
     if (buf == NULL) return -3;
@@ -226,7 +256,8 @@ int zs_decode_step_f32(const int64_t *g, const float *f, const int64_t *layers, 
 #endif
 #pragma omp single
         bar.n = cnt;  /* the team the runtime gave (the single's barrier publishes it) */
-        step_thread(g, f, layers, hidden, pos, slots, bt, bt_stride, seq_lens, T, &B, &bar, &err, id, cnt);
+        step_thread(g, f, layers, hidden, pos, slots, bt, bt_stride, seq_lens, T, lora_slots, &B, &bar, &err, id,
+                    cnt);
     }
     const int rc = atomic_load(&err);
     if (rc == 0) memcpy(hidden, B.h, sizeof(float) * T * H);

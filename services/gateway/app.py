@@ -46,7 +46,8 @@ from zeroserve.services.gateway.errors import (
     api_error,
     validation_error,
 )
-from zeroserve.services.gateway.protocol import DetokenizeRequest, ModelControlRequest, TokenizeRequest
+from zeroserve.services.gateway.protocol import (DetokenizeRequest, LoadLoRARequest, ModelControlRequest,
+                                               TokenizeRequest, UnloadLoRARequest)
 
 log = get_logger("gateway")
 
@@ -216,6 +217,8 @@ class Gateway:
     async def tokenizer(self, model: str, required: bool = True):
         """The tokenizer of `model`, loaded on first use from a --model directory; None (or a
         400 when `required`) if this gateway was given none for it."""
+        # a LoRA adapter tokenizes as its base model
+        model = next((m["parent"] for m in self._models if m["id"] == model and m.get("parent")), model)
         if model in self._tokenizers:
             return self._tokenizers[model]
         async with self._tok_lock:
@@ -325,7 +328,7 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         # the failure's reason, pinned, and the requests waiting for a load
         return {"object": "list", "data": [
             {"id": m["id"], "object": "model", "created": _now(), "owned_by": "zeroserve", "root": m["id"],
-             "max_model_len": m.get("max_model_len"), "groups": m.get("groups"), "state": m.get("state"),
+             "parent": m.get("parent"), "max_model_len": m.get("max_model_len"), "groups": m.get("groups"), "state": m.get("state"),
              "reason": m.get("reason") or None, "pinned": m.get("pinned"), "waiting": m.get("waiting")}
             for m in models]}
 
@@ -342,6 +345,19 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
     async def unload_model(req: ModelControlRequest):
         """Unload a catalog model (each copy as soon as it has no requests)."""
         return model_list(await gw.client.unload_model(req.model))
+
+    # LoRA adapters at run time (vLLM's endpoints and answers); behind the API key like all of /v1
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRARequest):
+        await gw.client.load_lora_adapter(req.lora_name, req.lora_path, req.model)
+        await gw.models(refresh=True)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRARequest):
+        await gw.client.unload_lora_adapter(req.lora_name)
+        await gw.models(refresh=True)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
@@ -389,4 +405,4 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
 # the POST endpoints served by completions.handle (streamed or whole), each with its error shape
 ROUTES = {**completions.ROUTES, **responses.ROUTES, **anthropic.ROUTES, **embeddings.ROUTES}
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/", "/cluster", "/api/cluster",
-               *ROUTES}
+               "/v1/load_lora_adapter", "/v1/unload_lora_adapter", *ROUTES}

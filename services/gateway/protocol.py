@@ -284,3 +284,19 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[NonNegInt]
+
+
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): serve the adapter at `lora_path` as `lora_name`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+    model: str | None = None  # the base model (default: the cluster's first)
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str

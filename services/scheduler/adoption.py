@@ -103,5 +103,5 @@ def seed_prefix_cache(bm: BlockManager, kept: list[P.KeptSeq], vocab_size: int) 
             log.warning("a kept sequence that does not fit this group's cache; its blocks are not reused",
                         tokens=len(toks), blocks=len(blocks))
             continue
-        n += bm.adopt_cached(toks, blocks)
+        n += bm.adopt_cached(toks, blocks, k.lora_path)
     return n

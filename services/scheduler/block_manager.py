@@ -1,7 +1,10 @@
 """KV block accounting for one worker group: ref-counted blocks and a prefix cache.
 
 The prefix cache keys every full block by (hash of the previous block's key, its tokens):
-a lookup compares the tokens themselves, so a hash collision can never serve wrong KV.
+a lookup compares the tokens themselves, so a hash collision can never serve wrong KV. The
+first block's "previous key" is the request's LoRA adapter (`cache_root`): the same tokens
+under another adapter have other K/V, so they never share blocks. An adapter is known by its
+directory (two names for one directory share, a name reloaded from another directory does not).
 Free blocks that hold cached content stay findable until they are reused, least recently
 freed first (LRU).
 
@@ -16,6 +19,15 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from zeroserve.services.scheduler.request import Request
+
+
+def cache_root(lora_path: str | None) -> int:
+    """The chain's first link: 0 for the base model, else the hash of the adapter's directory."""
+    return 0 if lora_path is None else hash(("lora", lora_path))
+
+
+def _root(req: Request) -> int:
+    return cache_root(req.lora_path)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -65,22 +77,22 @@ class BlockManager:
             yield key
             prev_hash = hash(key)
 
-    def lookup(self, token_ids: list[int]) -> list[int]:
-        """Block ids caching the longest full-block prefix of `token_ids`, leaving at least
-        one token to compute (the last one's logits are needed)."""
+    def lookup(self, token_ids: list[int], lora_path: str | None = None) -> list[int]:
+        """Block ids caching the longest full-block prefix of `token_ids` (under the adapter at `lora_path`),
+        leaving at least one token to compute (the last one's logits are needed)."""
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for key in self._chain_keys(token_ids, (len(token_ids) - 1) // self.block_size):
+        for key in self._chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, cache_root(lora_path)):
             block = self.cache.get(key)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
+    def num_cached_prefix_tokens(self, token_ids: list[int], lora_path: str | None = None) -> int:
         """Prefix-cache hit length for routing decisions (no side effects)."""
-        return len(self.lookup(token_ids)) * self.block_size
+        return len(self.lookup(token_ids, lora_path)) * self.block_size
 
     def take_cached(self, req: Request, blocks: list[int]) -> None:
         """Give `req` (which holds no blocks yet) the cached prefix `blocks`."""
@@ -95,7 +107,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             prev = 0
             req.block_hashes = []
-            for key in self._chain_keys(req.token_ids, len(blocks)):
+            for key in self._chain_keys(req.token_ids, len(blocks), _root(req)):
                 prev = hash(key)
                 req.block_hashes.append(prev)
 
@@ -108,7 +120,7 @@ class BlockManager:
         req.num_computed_tokens = num_tokens
         req.block_hashes = []
         if self.enable_prefix_caching:
-            for key in self._chain_keys(req.token_ids, num_tokens // self.block_size):
+            for key in self._chain_keys(req.token_ids, num_tokens // self.block_size, _root(req)):
                 req.block_hashes.append(hash(key))
 
     def commit_full_blocks(self, req: Request, num_computed: int) -> None:
@@ -119,7 +131,7 @@ class BlockManager:
         start = len(req.block_hashes)
         if num_full <= start:
             return
-        prev = req.block_hashes[-1] if start else 0
+        prev = req.block_hashes[-1] if start else _root(req)
         for i, key in enumerate(self._chain_keys(req.token_ids, num_full, prev, start), start):
             block = req.block_ids[i]
             if key not in self.cache and block not in self.block_key:
@@ -127,15 +139,16 @@ class BlockManager:
                 self.block_key[block] = key
             req.block_hashes.append(hash(key))
 
-    def adopt_cached(self, token_ids: list[int], blocks: list[int]) -> int:
-        """Blocks a worker's cache still holds for `token_ids` (full blocks, in order) from before
+    def adopt_cached(self, token_ids: list[int], blocks: list[int], lora_path: str | None = None) -> int:
+        """Blocks a worker's cache still holds for `token_ids` (full blocks, in order, computed
+        under the adapter at `lora_path`: they join its chain, as lookup reads it) from before
         this block manager existed (a restarted scheduler, adoption.py): free, findable in the
         prefix cache until reused, and handed out after every block that holds nothing. Returns
         how many were added; a block already taken for other content ends the chain."""
         if not self.enable_prefix_caching:
             return 0
         n = 0
-        for key, b in zip(self._chain_keys(token_ids, len(blocks)), blocks):
+        for key, b in zip(self._chain_keys(token_ids, len(blocks), cache_root(lora_path)), blocks):
             if key in self.cache:  # a prefix two sequences share: reported by each
                 continue
             if b in self._refs or b in self.block_key:

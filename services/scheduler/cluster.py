@@ -33,6 +33,7 @@ from zeroserve.services.scheduler import adoption
 from zeroserve.services.scheduler.admission import check_params_for_model, fan_out
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
+from zeroserve.services.scheduler.lora import LoRAAdmin
 from zeroserve.services.scheduler.metrics import SchedulerMetrics
 from zeroserve.services.scheduler.models import ModelInfo
 from zeroserve.services.scheduler.outbox import Outbox
@@ -66,6 +67,7 @@ class Cluster:
         self.started = now
         self.groups = Groups(cfg, models, scheduler_id, step_addr)
         self.pool = Pool(cfg, catalog or {}, self.groups, scheduler_id)  # models loaded on demand
+        self.loras = LoRAAdmin(cfg, models)  # LoRA adapters served, by name
         self.delivery = Delivery(scheduler_id)
         self.live: dict[str, Live] = {}  # key -> Live
         self.by_client: dict[tuple[bytes, str], str] = {}  # (client, request_id) -> key
@@ -88,7 +90,14 @@ class Cluster:
     def client_handlers(self) -> dict[type, Handler]:
         return {P.Submit: self.on_submit, P.Reattach: self.on_reattach, P.Abort: self.on_abort, P.Ping: self.on_ping,
                 P.StatsRequest: self.on_stats_request, P.ModelsRequest: self.on_models_request,
-                P.MetricsRequest: self.on_metrics_request, P.ModelsControl: self.on_models_control}
+                P.MetricsRequest: self.on_metrics_request, P.ModelsControl: self.on_models_control,
+                P.LoadLoRA: self._seen(self.loras.on_load), P.UnloadLoRA: self._seen(self.loras.on_unload)}
+
+    def _seen(self, handler: Handler) -> Handler:
+        def run(ident: bytes, m, now: float) -> Outbox:
+            self.client_seen[ident] = now
+            return handler(ident, m, now)
+        return run
 
     def backend_handlers(self) -> dict[type, Handler]:
         return {P.Hello: self.on_hello, P.Error: self.on_peer_error, P.DetokOutputs: self.on_detok_outputs,
@@ -107,7 +116,8 @@ class Cluster:
         if m.messages is not None:  # bounded before the chat template and the tokenizer see it
             check_text_size(sum(len(x.content.encode("utf-8", "surrogatepass")) for x in m.messages),
                             "the conversation's text")
-        model = m.params.model or self.default_model
+        params, _ = self.loras.resolve(m.params, m.params.model)  # model = an adapter's name: its parent
+        model = params.model or self.default_model
         why = self.pool.refusal(model)
         if why:
             raise ModelLoadError(why)
@@ -124,11 +134,13 @@ class Cluster:
             self.metrics.refused()
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
-        params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)
+        params = with_model_defaults(params, m.model_defaults, self.models[model].sampling_defaults)
         self.pool.requested(model, params.keep_alive)
         pooling = None
-        if m.kind == "embed":  # a prefill whose answer is a vector: its own params, the model's pooling
-            params, pooling = SamplingParams(max_tokens=1, model=model), m.pooling or self.models[model].pooling
+        if m.kind == "embed":  # a prefill whose answer is a vector: its own params (its adapter kept), the
+            # model's pooling
+            params, pooling = (SamplingParams(max_tokens=1, model=model, lora=params.lora),
+                               m.pooling or self.models[model].pooling)
         key = str(next(self.keys))
         self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
                               deadline=now + m.timeout_s if m.timeout_s else None, resume=resume, pooling=pooling)
@@ -212,7 +224,8 @@ class Cluster:
         return ob
 
     def _models_reply(self) -> P.ModelsReply:
-        """Every model: those given with --model, then the catalog's (with the pool's state)."""
+        """Every model: those given with --model, then the catalog's (with the pool's state), then
+        the LoRA adapters (each a copy of its base model's card with `parent`)."""
         waiting = Counter(live.model for live in self.pending)
         cards = []
         for name in dict.fromkeys([*self.models, *self.pool.catalog]):
@@ -223,7 +236,10 @@ class Cluster:
                 id=name, max_model_len=self.groups.max_model_len(name) if info else 0, groups=groups,
                 tool_call_parser=info.tool_call_parser if info else "", state=state, reason=reason[:4096],
                 pinned=bool(entry and entry.pinned), waiting=waiting.get(name, 0)))
-        return P.ModelsReply(models=cards)
+        by_id = {c.id: c for c in cards}
+        adapters = [msgspec.structs.replace(by_id[parent], id=name, parent=parent)  # served where its base is
+                    for name, parent in self.loras.registry.cards() if parent in by_id]
+        return P.ModelsReply(models=[*cards, *adapters])
 
     # ================================================================ requests
     def _admit(self, live: Live, ids: list[int], grammar: object = None) -> None:
@@ -232,8 +248,10 @@ class Cluster:
         check_prompt_ids(ids, vocab, max_len)
         check_params_for_model(live.params, vocab)
         live.prompt_ids = ids
+        _, lora_path = self.loras.resolve(live.params, live.model)  # still served (not unloaded meanwhile)?
         live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len, grammar)]
         for s in live.seqs:
+            s.req.lora_path = lora_path
             s.req.pooling = live.pooling
         if live.resume is not None:
             adoption.resume(live, live.resume, vocab)
@@ -247,8 +265,11 @@ class Cluster:
     def _route(self, live: Live) -> None:
         """Pick the group for a request: prefix-cache hits first, then the least loaded."""
         best, best_key = None, None
+        lora_path = live.seqs[0].req.lora_path if live.seqs else None
         for g in self.groups.ready(live.model):
-            hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids) if live.prompt_ids else 0
+            if lora_path is not None and not g.policy.max_loras_per_batch:
+                continue  # its workers serve no adapters (no --enable-lora)
+            hit = g.policy.bm.num_cached_prefix_tokens(live.prompt_ids, lora_path) if live.prompt_ids else 0
             crowded = g.load() >= g.policy.max_num_seqs  # a hit is worth little behind a full batch
             key = (not crowded and hit > 0, hit if not crowded else 0, -g.load(), g.policy.bm.num_free_blocks)
             if best_key is None or key > best_key:

@@ -324,6 +324,8 @@ class Groups:
                           self.cfg.max_num_batched_tokens, max_len, mc.eos_token_ids, mc.vocab_size,
                           mc.kv_window, min(s.hello.num_lookahead_tokens for s in g.shards.values()),
                           max_num_prefill_tokens=self.cfg.max_num_prefill_tokens)
+        # LoRA: adapters at once, within every shard's slots (0: the group serves none)
+        g.policy.max_loras_per_batch = min([self.cfg.loras_per_batch] + [s.hello.max_loras for s in g.shards.values()])
         g.state = GroupState.READY
         g.seq = 0
         log.info("group ready", group=g.name, model=g.model, tp=g.tp_size, kv_blocks=blocks)

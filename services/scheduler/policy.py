@@ -111,6 +111,9 @@ class Scheduler:
         self._dropped: list[str] = []  # worker-side state to drop at the next step
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens actually run through the model
+        # LoRA: different adapters the running requests may use at once (0 = no limit); at most
+        # the workers' slots (--max-loras), so every running request's adapter stays resident
+        self.max_loras_per_batch = 0
 
     # ---- admission --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -183,6 +186,9 @@ class Scheduler:
             j = 0
             while j < len(self.waiting) and min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[j]
+                if not self._lora_fits(req):
+                    j += 1  # its adapter would be one too many in the batch: later, when one frees
+                    continue
                 if req.num_computed_tokens == 0 and not req.block_ids:
                     wait_for_sibling = self._share_from_sibling(req)
                     if wait_for_sibling:
@@ -190,7 +196,7 @@ class Scheduler:
                         continue
                     # an embedding computes its whole prompt: a mean needs every position's state
                     if not req.block_ids and req.pooling is None:
-                        cached = self.bm.lookup(req.token_ids)
+                        cached = self.bm.lookup(req.token_ids, req.lora_path)
                         if cached:
                             self.bm.take_cached(req, cached)
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
@@ -207,12 +213,19 @@ class Scheduler:
                     req_id=req.req_id, token_ids=np.asarray(req.token_ids, np.int32),
                     num_prompt_tokens=req.num_prompt_tokens, params=req.params, seed=req.seed,
                     block_ids=np.asarray(req.block_ids, np.int32), num_computed_tokens=req.num_computed_tokens,
-                    num_scheduled_tokens=num_new, pooling=req.pooling))
+                    num_scheduled_tokens=num_new, lora_path=req.lora_path, pooling=req.pooling))
                 self._commit(req, num_new)
                 out.scheduled(req)
                 budget -= num_new
                 prefill -= num_new
         return out.build()
+
+    def _lora_fits(self, req: Request) -> bool:
+        lora = req.params.lora
+        if lora is None or not self.max_loras_per_batch:
+            return True
+        used = {r.params.lora for r in self.running if r.params.lora is not None}
+        return lora in used or len(used) < self.max_loras_per_batch
 
     def _lookahead(self, req: Request, num_new: int, budget: int) -> int:
         """Draft slots for a request that decodes its last token in this step, when its blocks

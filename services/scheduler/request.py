@@ -25,7 +25,7 @@ class Request:
         "req_id", "client_id", "index", "params", "seed", "priority", "arrival_time",
         "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "status", "finish_reason", "stop_reason", "max_len",
-        "siblings", "constraint", "num_released", "pooling",
+        "siblings", "constraint", "num_released", "lora_path", "pooling",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -57,6 +57,7 @@ class Request:
         # sliding-window models: leading blocks given back because no layer reads them again
         # (their ids stay in block_ids, so the worker's block table keeps its positions)
         self.num_released = 0
+        self.lora_path: str | None = None  # params.lora's directory, resolved at admission
         # an embedding request ("last" / "mean"): prefill only, it ends with its pooled hidden state
         self.pooling: str | None = None
 

@@ -30,14 +30,16 @@ class Kept:
         self.until = 0.0
 
     def take(self, states: Iterable, block_size: int, now: float | None = None) -> None:
-        """Snapshot the runner's request states (token_ids, num_computed, block_ids): the full
-        blocks whose KV is computed, newest requests last."""
+        """Snapshot the runner's request states (token_ids, num_computed, block_ids, lora_path):
+        the full blocks whose KV is computed, and the adapter it was computed under, newest
+        requests last."""
         seqs = []
         for st in states:
             full = min(st.num_computed, len(st.token_ids)) // block_size
             if full and len(st.block_ids) >= full:
                 seqs.append(P.KeptSeq(token_ids=np.asarray(st.token_ids[:full * block_size], np.int32),
-                                      block_ids=np.asarray(st.block_ids[:full], np.int32)))
+                                      block_ids=np.asarray(st.block_ids[:full], np.int32),
+                                      lora_path=st.lora_path))
         self.seqs = seqs[-P.MAX_KEPT_SEQS:]
         self.until = (time.monotonic() if now is None else now) + KEPT_TTL_S
 

@@ -21,6 +21,7 @@ from zeroserve.kernels.metadata import AttentionMetadata
 from zeroserve.kernels.dispatch import get_ops, resolve_backend
 from zeroserve.services.worker import numerics
 from zeroserve.services.worker.dtype import resolve_dtype, resolve_kv_dtype
+from zeroserve.services.worker.lora import acquire_slots, make_lora
 from zeroserve.services.worker.model import load_model
 from zeroserve.services.worker.pooling import Pooler
 from zeroserve.services.worker.sampler import SamplingTensors, sample
@@ -30,15 +31,19 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class _ReqState:
-    __slots__ = ("token_ids", "num_prompt_tokens", "params", "seed", "block_ids", "num_computed")
+    __slots__ = ("token_ids", "num_prompt_tokens", "params", "seed", "block_ids", "num_computed", "lora_slot",
+                 "lora_path")
 
-    def __init__(self, token_ids, num_prompt_tokens, params, seed, block_ids, num_computed):
+    def __init__(self, token_ids, num_prompt_tokens, params, seed, block_ids, num_computed, lora_slot=-1,
+                 lora_path=None):
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
         self.params: SamplingParams = params
         self.seed = seed
         self.block_ids: list[int] = list(block_ids)
         self.num_computed = num_computed
+        self.lora_slot = lora_slot  # its adapter's slot in services/worker/lora.py (-1: base model)
+        self.lora_path = lora_path  # its adapter (NewRequest.lora_path), for what a restart keeps (kept.py)
 
 
 @dataclass(slots=True)
@@ -96,6 +101,7 @@ class ModelRunner:
         self.vocab_size = model_cfg.vocab_size
         self.num_steps = 0
         self.spec = make_speculator(args, self)  # None: no speculative decoding
+        self.lora = make_lora(args, self)  # None: no LoRA adapters
         self.pooler = Pooler()  # embedding requests (services/worker/pooling.py)
 
     @property
@@ -161,10 +167,16 @@ class ModelRunner:
 
     def apply_state(self, step: Step) -> None:
         for rid in step.finished_req_ids:
-            self.reqs.pop(rid, None)
-        for n in step.new_reqs:
+            st = self.reqs.pop(rid, None)
+            if st is not None and st.lora_slot >= 0:
+                self.lora.release(st.lora_slot)
+        slots = acquire_slots(self.lora, step.new_reqs)
+        for n, slot in zip(step.new_reqs, slots):
+            old = self.reqs.get(n.req_id)  # sent again in full (a resync): its old slot's pin goes
+            if old is not None and old.lora_slot >= 0:
+                self.lora.release(old.lora_slot)
             self.reqs[n.req_id] = _ReqState(n.token_ids.tolist(), n.num_prompt_tokens, n.params, n.seed,
-                                            n.block_ids.tolist(), n.num_computed_tokens)
+                                            n.block_ids.tolist(), n.num_computed_tokens, slot, n.lora_path)
         c = step.cached
         for rid, computed, blocks in zip(c.req_ids, c.num_computed_tokens.tolist(), c.blocks_per_request()):
             st = self.reqs.get(rid)
@@ -230,6 +242,8 @@ class ModelRunner:
         pure_decode = T == B + sum(len(d) for d in drafts.values())
         # flat positions and token ids
         row_of_tok = np.repeat(np.arange(B), counts)
+        if self.lora is not None:  # each token's adapter slot, for the layers' LoRA deltas
+            self.lora.set_batch(np.fromiter((s.lora_slot for s in states), np.int32, B)[row_of_tok])
         positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
         input_ids = np.fromiter(
             (t for s, a, n in zip(states, starts.tolist(), counts.tolist()) for t in s.token_ids[a:a + n]),

@@ -61,8 +61,8 @@ DRAINED_WAIT_S = 1.0  # after a Shutdown we did not ask for: how long a "drained
 
 
 def shard_hello(runner: ModelRunner, args: EngineArgs, model_cfg: ModelConfig, **who) -> P.Hello:
-    """A shard's HELLO: its model and capacity (KV blocks, lookahead, length cap, memory) from
-    its runner, and `who` it is (worker_id, group, ranks, device, host, pid, dist_init_addr;
+    """A shard's HELLO: its model and capacity (KV blocks, lookahead, length cap, memory, LoRA
+    slots) from its runner, and `who` it is (worker_id, group, ranks, device, host, pid, dist_init_addr;
     after a scheduler restart, the KV it `kept`). The worker process sends it; the in-process
     engine hands it to the same state."""
     mem = P.ShardMemory(rss_bytes=psutil.Process().memory_info().rss, param_bytes=runner.param_bytes(),
@@ -70,6 +70,7 @@ def shard_hello(runner: ModelRunner, args: EngineArgs, model_cfg: ModelConfig, *
     return P.Hello(role="worker", model=model_cfg.name, num_kv_blocks=runner.num_blocks,
                    block_size=runner.block_size, num_lookahead_tokens=runner.num_lookahead_tokens,
                    numeric_mode=runner.numeric_mode,
+                   max_loras=runner.lora.num_slots if runner.lora is not None else 0,
                    max_model_len=args.max_model_len or model_cfg.max_position_embeddings, memory=mem, **who)
 
 

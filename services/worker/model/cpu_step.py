@@ -10,6 +10,10 @@ steps, GPUs, tensor parallelism, float (unpacked) linears and machines without t
 kernels stay on the Python path, and so do models that are not the plain Llama/Qwen shape
 (`ModelConfig.llama_shape`: sliding windows, soft-caps, GeGLU, other norm layouts, ...).
 
+With LoRA adapters attached (services/worker/lora.py) the step adds each row's adapter delta
+after every linear, through the same per-row kernel as the Python path (csrc/lora.c), so steps
+that mix adapters stay on the compiled path with the same bits.
+
 ``ZEROSERVE_CPU_STEP=0`` turns it off (to measure what it saves).
 """
 
@@ -25,8 +29,8 @@ from zeroserve.kernels import cpu_native
 from zeroserve.kernels.quant import QuantizedWeight
 
 # word layout of decode_step.c's descriptor (its enums)
-G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16, G_WORDS = 13, 14, 15, 16, 17
-LIN_WORDS, L_WORDS = 8, 38
+G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16, G_WORDS = 13, 14, 15, 16, 20
+LIN_WORDS, LO_WORDS, L_WORDS = 8, 4, 54
 L_K_CACHE, L_V_CACHE = 36, 37
 
 
@@ -43,6 +47,16 @@ def _lin(qw: QuantizedWeight, bias: torch.Tensor | None) -> list[int]:
     return [fmt, w, w_stride, sc or 0, mn or 0, s_stride, group, bias.data_ptr() if bias is not None else 0]
 
 
+def _lora(module, keep: list) -> list[int]:
+    """A linear's LoRA slot words (A^T, B^T, part bounds, parts), zeros without adapters."""
+    lin = module.lora
+    if lin is None:
+        return [0] * LO_WORDS
+    bounds = torch.tensor(lin.bounds, dtype=torch.int64)
+    keep.append(bounds)
+    return [lin.at.data_ptr(), lin.bt.data_ptr(), bounds.data_ptr(), len(lin.bounds) - 1]
+
+
 class CpuDecodeStep:
     """Built by `build(model)` when the model qualifies; `applies` says whether a step does."""
 
@@ -57,6 +71,10 @@ class CpuDecodeStep:
              model.norm.weight.data_ptr(), _fn(cpu_native.quant_lib(), "zs_qmatmul_f32_part"),
              _fn(cpu_native.decode_lib(), "zs_paged_decode_f32_part"), 0, 0,  # block size, slots: per cache
              _fn(cpu_native.quant_lib(), "zs_qmatmul_bf16_part"), 0]  # G_BF16: per call
+        ctx = model.lora_ctx  # LoRA: the slots' scalings, rank and count
+        lin0 = model.layers[0].self_attn.qkv_proj.lora if model.num_layers else None
+        self.has_lora = ctx is not None and lin0 is not None
+        g += [ctx.scale.data_ptr(), lin0.rank, ctx.scale.shape[0]] if self.has_lora else [0, 0, 0]
         assert len(g) == G_WORDS
         self.g = torch.tensor(g, dtype=torch.int64)
         self.f = torch.tensor([cfg.rms_norm_eps, a0.scale if a0 is not None else 1.0], dtype=torch.float32)
@@ -68,6 +86,8 @@ class CpuDecodeStep:
             row += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                     at.q_norm.weight.data_ptr() if at.qk_norm else 0,
                     at.k_norm.weight.data_ptr() if at.qk_norm else 0, 0, 0]
+            for m in (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                row += _lora(m, self._keep)
             assert len(row) == L_WORDS
             rows.append(row)
         self.layers = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), L_WORDS)
@@ -121,8 +141,10 @@ class CpuDecodeStep:
             self.g[G_BLOCK], self.g[G_SLOTS] = bs, nb * bs
         self._caches_key = key
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        """hidden [T, H] token embeddings -> final-normed hidden states (in place)."""
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
+                 lora=None):
+        """hidden [T, H] token embeddings -> final-normed hidden states (in place); `lora`: the
+        step's kernels.lora.LoRABatch (needs `has_lora`), or None."""
         self._bind_caches(kv_caches)
         self.g[G_BF16] = int(self._mode_of is not None and self._mode_of.bf16_matmul)
         t = hidden.shape[0]
@@ -130,10 +152,12 @@ class CpuDecodeStep:
         slots = meta.slot_mapping.long().contiguous()
         bt = meta.block_tables.to(torch.int32).contiguous()
         sl = meta.seq_lens.to(torch.int32).contiguous()
+        lora_slots = lora.slots.contiguous() if lora is not None else None
         rc = self.lib.zs_decode_step_f32(self.g.data_ptr(), self.f.data_ptr(), self.layers.data_ptr(),
                                          hidden.data_ptr(), pos.data_ptr(), slots.data_ptr(), bt.data_ptr(),
-                                         bt.stride(0), sl.data_ptr(), t, torch.get_num_threads())
+                                         bt.stride(0), sl.data_ptr(), t, torch.get_num_threads(),
+                                         lora_slots.data_ptr() if lora_slots is not None else None)
         if rc != 0:
             raise ValueError(f"decode step kernel failed (rc {rc}): a position past the rotary table, "
-                             "a slot past the KV cache, or out of memory")
+                             "a slot past the KV cache, an adapter slot past the table, or out of memory")
         return hidden

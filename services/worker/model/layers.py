@@ -94,6 +94,9 @@ class QuantizableWeight(nn.Module):
     # size, the kernel does not
     kernel_weight: QuantizedWeight | None = None
     bf16_matmul: bool = False  # the bf16 regime (x and w rounded to bf16, fp32 sums) at every row count
+    # LoRA adapter slots of a decoder linear (services/worker/lora.py's LoRALinear): the rows of a
+    # step that name an adapter get its delta added to this linear's output
+    lora = None
 
     @property
     def quantized(self) -> bool:
@@ -147,7 +150,8 @@ class ColumnParallelLinear(QuantizableWeight):
         self.bias = _param((out,), device, dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return y if self.lora is None else self.lora.apply(y, x)
 
     def sources(self, hf_names: list[str], what: str = "weight") -> list[WeightSource]:
         """Checkpoint pieces for `weight` or `bias`, one per merged part (HF names given per part)."""
@@ -186,7 +190,10 @@ class RowParallelLinear(QuantizableWeight):
         self.bias = _param((out_features,), device, dtype) if bias else None  # added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x))
+        y = self.matmul(x)
+        if self.lora is not None:
+            y = self.lora.apply(y, x)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def sources(self, hf_name: str) -> list[WeightSource]:

@@ -77,6 +77,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM over a paged KV cache; see the package docstring for the interface."""
 
+    lora_ctx = None  # services/worker/lora.py's LoRAContext, when adapters are enabled
+
     def __init__(self, cfg: ModelConfig, device, dtype: torch.dtype, ops,
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, expert_parallel: bool = False):
         super().__init__()
@@ -126,8 +128,9 @@ class CausalLM(nn.Module):
             hidden = hidden * self.cfg.embedding_multiplier
         positions = self.rotary.rope_positions(positions, meta)  # LongRoPE: short or long rows
         step = self._cpu_step()
-        if step is not None and step.applies(meta, hidden, kv_caches):
-            return step(hidden, positions, kv_caches, meta)  # the same layers, in one compiled call
+        lora = self.lora_ctx.batch if self.lora_ctx is not None else None  # this step's adapter rows
+        if step is not None and (lora is None or step.has_lora) and step.applies(meta, hidden, kv_caches):
+            return step(hidden, positions, kv_caches, meta, lora)  # the same layers, in one compiled call
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta)
