@@ -224,6 +224,17 @@ class ShardMemory(Message):
     kv_bytes: int = 0
 
 
+def group_rank(tp_rank: int, tp_size: int, pp_rank: int) -> int:
+    """A shard's rank in its group (and the group's torch.distributed world): stage-major, so the
+    tensor-parallel shards of one pipeline stage are neighbours and rank 0 is stage 0's tp rank 0."""
+    return pp_rank * tp_size + tp_rank
+
+
+def answering_rank(tp_size: int, pp_size: int) -> int:
+    """The group rank that answers steps: tp rank 0 of the last stage (where the sampler runs)."""
+    return group_rank(0, tp_size, pp_size - 1)
+
+
 class Hello(Message, kw_only=True):
     role: Role
     protocol_version: int = PROTOCOL_VERSION  # position 1 in every version: a mismatch is named
@@ -243,11 +254,25 @@ class Hello(Message, kw_only=True):
     # policy reserves KV slots for that many lookahead tokens of each decoding request
     num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+    # pipeline parallelism: the group is pp_size stages of tp_size shards; its rank 0 (stage 0,
+    # tp rank 0) proposes dist_init_addr, the last stage's tp rank 0 answers steps
+    pp_rank: Count = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
 
     def check(self) -> str | None:
         if not self.tp_rank < self.tp_size:
             return f"tp_rank {self.tp_rank} / tp_size {self.tp_size}: need 0 <= tp_rank < tp_size"
+        if not self.pp_rank < self.pp_size:
+            return f"pp_rank {self.pp_rank} / pp_size {self.pp_size}: need 0 <= pp_rank < pp_size"
         return None
+
+    @property
+    def group_rank(self) -> int:
+        return group_rank(self.tp_rank, self.tp_size, self.pp_rank)
+
+    @property
+    def group_size(self) -> int:
+        return self.tp_size * self.pp_size
 
 
 WelcomeStatus = Literal["accepted", "refused", "rejoin", "drained"]

@@ -132,6 +132,8 @@ def _auto_ineligible(runner) -> str | None:
         return "speculative decoding (its verify steps would switch rows between fp32 and bf16)"
     if getattr(runner, "tp_size", 1) != 1:
         return "tensor-parallel shard (its peers could decide otherwise)"
+    if getattr(runner, "pp_size", 1) != 1:
+        return "pipeline stage (its peers could decide otherwise; its model has no whole forward)"
     if not probe_shapes(runner.block_size, runner.num_blocks):
         return "KV cache too small to probe"
     return None

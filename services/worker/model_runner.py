@@ -41,12 +41,13 @@ class _ReqState:
 
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None, device: str | None = None) -> None:
+                 tp_group=None, device: str | None = None, pp_rank: int = 0) -> None:
         self.args = args
         self.cfg = model_cfg
         self.device = torch.device(device or args.device)
+        self.pp_size = getattr(args, "pp_size", 1)
         self.dtype = resolve_dtype(args.dtype, self.device, model_cfg, getattr(args, "quantization", None),
-                                   probe=tp_size == 1)
+                                   probe=tp_size == 1 and self.pp_size == 1)
         self.backend = resolve_backend(args.attention_backend, self.device)
         self.ops = get_ops(self.backend, self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -54,7 +55,11 @@ class ModelRunner:
         self.model = load_model(model_cfg, self.device, self.dtype, self.ops, tp_rank=tp_rank,
                                 tp_size=tp_size, tp_group=tp_group,
                                 quantization=getattr(args, "quantization", None),
-                                expert_parallel=getattr(args, "enable_expert_parallel", False))
+                                expert_parallel=getattr(args, "enable_expert_parallel", False),
+                                pp_rank=pp_rank, pp_size=self.pp_size)
+        # a pipeline stage's links to its neighbours (services/worker/pipeline.py), set once the
+        # group's torch.distributed world exists; None: the whole model is here
+        self.link = None
         self.block_size = args.block_size
         self.kv_dtype = resolve_kv_dtype(getattr(args, "kv_cache_dtype", "auto"), self.dtype)
         self.num_blocks = self._kv_capacity()
@@ -219,12 +224,17 @@ class ModelRunner:
             max_query_len=m_qlen,
             max_seq_len=int(seq_lens.max()),
         )
-        hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),
-                            torch.from_numpy(positions).to(dev, non_blocking=True), self.kv_caches, meta)
+        hidden = self._forward(torch.from_numpy(input_ids).to(dev, non_blocking=True),
+                               torch.from_numpy(positions).to(dev, non_blocking=True), meta)
 
         sampled_all = np.full(B, -1, np.int32)
         out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=sampled_all, num_tokens=T)
-        if len(sample_rows):
+        if len(sample_rows) and hidden is None:  # a pipeline stage before the last: it sampled
+            toks = self.link.recv_tokens(len(sample_rows))
+            for i, t in zip(sample_rows.tolist(), toks.tolist()):
+                states[i].token_ids.append(t)
+            sampled_all[sample_rows] = toks
+        elif len(sample_rows):
             flat, owner, offs = sample_positions(sample_rows, qsl, drafts)
             idx = torch.from_numpy(flat).to(dev)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
@@ -250,6 +260,8 @@ class ModelRunner:
             else:
                 for s, t in zip(ss, toks.tolist()):
                     s.token_ids.append(t)
+            if self.link is not None:  # the last pipeline stage: the earlier ones follow its samples
+                self.link.send_tokens(toks)
             sampled_all[sample_rows] = toks
             if res.logprobs is not None:
                 k = res.logprobs.shape[1]
@@ -267,6 +279,21 @@ class ModelRunner:
         if self.spec is not None and pure_decode and len(sample_rows) == B:
             self.spec.timed(B, bool(drafts), out.step_time_s)  # a pure decode step
         return out
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """The model's final hidden states for the step; on a pipeline stage before the last,
+        None after passing its layers' output on (services/worker/pipeline.py)."""
+        if self.link is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        m = self.model
+        inter = None
+        if not m.stage.first:
+            inter = self.link.recv_hidden(positions.shape[0], self.cfg.hidden_size, self.dtype, m.carries_residual)
+        hidden = m(input_ids, positions, self.kv_caches, meta, intermediate=inter)
+        if m.stage.last:
+            return hidden
+        self.link.send_hidden(*hidden)
+        return None
 
     # ---- speculative decoding (services/worker/spec_decode.py) --------------------------------
     def _propose(self, step: Step, req_ids: list[str], states: list[_ReqState], counts: np.ndarray) -> dict:

@@ -6,7 +6,7 @@ every token decodes. It reads the model's own parameters and packed weights (not
 and runs the same kernels in the same order (with bf16 panels attached, the bf16 regime from
 their row count on, as QuantizableWeight.matmul), so its hidden states equal the Python path's bit
 for bit: prefill and mixed steps, decode batches of FLOAT_MATMUL_MIN_ROWS or more (float GEMMs
-win there), GPUs, tensor parallelism, float (unpacked) linears and machines without the
+win there), GPUs, tensor and pipeline parallelism, float (unpacked) linears and machines without the
 compiled kernels stay on the Python path, and so do models that are not the plain Llama/Qwen
 shape (`ModelConfig.llama_shape`: sliding windows, soft-caps, GeGLU, other norm layouts, ...).
 
@@ -83,7 +83,7 @@ class CpuDecodeStep:
         from zeroserve.kernels import cpu_ops
 
         if (_turned_off() or model.ops is not cpu_ops or model.device.type != "cpu" or model.dtype != torch.float32
-                or model.tp.size != 1 or not model.cfg.llama_shape or model.cfg.is_moe or model.cfg.qk_norm_full):
+                or model.tp.size != 1 or model.stage.size != 1 or not model.cfg.llama_shape or model.cfg.is_moe or model.cfg.qk_norm_full):
             return None  # decode_step.c computes the plain Llama/Qwen layer only (no window, cap, GeGLU, MoE, ...)
         for layer in model.layers:
             mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
