@@ -414,7 +414,9 @@ class LaunchArgs:
     """cluster shape (zeroserve up)"""
 
     workers: int = knob(1, "worker groups to start")
-    tp: int = knob(1, "tensor-parallel shards per worker group")
+    tp: int = knob(1, "tensor-parallel shards per worker group (per pipeline stage)")
+    pp: int = knob(1, "pipeline stages per worker group (each a contiguous range of layers; a group is tp x pp "
+                      "shards)")
     gateway: bool = knob(True, "do not start the OpenAI-compatible HTTP gateway", flag="--no-gateway")
     gateway_port: int = knob(8000, "the HTTP gateway's port")
     gateway_nice: int = knob(0, "the gateway's nice value (its --nice)")

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "given and it is installed), print the answer and stop")
     add_cli_args(up, LaunchArgs)
     add_cli_args(up, ServeArgs)
-    add_cli_args(up, EngineArgs, skip=("tp_size",))  # --tp sets it
+    add_cli_args(up, EngineArgs, skip=("tp_size", "pp_size"))  # --tp and --pp set them
     add_cli_args(up, LivenessArgs)
     add_cli_args(up, ChatArgs)
     add_cli_args(up, ThreadArgs)
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     bt.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
     bt.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_cli_args(bt, EngineArgs, skip=("tp_size", "max_queue_len"))  # one process; nothing queues
+    add_cli_args(bt, EngineArgs, skip=("tp_size", "pp_size", "max_queue_len"))  # one process; nothing queues
     add_cli_args(bt, ThreadArgs)
 
     pm = sub.add_parser("prepare-model", help="check a model (HF directory or .gguf file) where the processes will "
@@ -149,10 +149,12 @@ def _status(args) -> int:
               f"{ms(m.get('queue_mean_s'))}  prefix hits {'-' if hit is None else f'{hit:.0%}'}  preemptions "
               f"{m.get('preemptions', 0)}  requeued {m.get('requeued', 0)}")
     for g in s.get("groups", []):
-        print(f"group {g['name']} [{g['state']}] model {g['model']} tp {g['tp_size']}  running {g.get('running', 0)}  "
+        print(f"group {g['name']} [{g['state']}] model {g['model']} tp {g['tp_size']} pp {g.get('pp_size', 1)}  "
+              f"running {g.get('running', 0)}  "
               f"waiting {g.get('waiting', 0)}  kv {g.get('kv_blocks_used', 0)}/{g.get('kv_blocks_total', 0)} blocks")
         for w in g.get("workers", []):
-            print(f"  worker {w['worker_id']} rank {w['rank']} pid {w['pid']} host {w['host']} device {w['device']} "
+            stage = f" stage {w['stage']}" if g.get("pp_size", 1) > 1 else ""
+            print(f"  worker {w['worker_id']} rank {w['rank']}{stage} pid {w['pid']} host {w['host']} device {w['device']} "
                   f"steps {w.get('w_steps', 0)} step_ms {w.get('w_step_ms', 0)}")
     return 0
 

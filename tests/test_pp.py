@@ -44,21 +44,23 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [random_prompt(n, min(vocab, 512), seed=70 + i) for i, n in enumerate(PROMPT_LENS)]
 
 
-def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0, link=None,
-             tp_group=None) -> dict:
+def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0) -> dict:
     """Greedy tokens of every prompt from an LLMEngine whose runner is this shard (stage
-    `pp_rank`, tp rank `tp_rank`), all prompts in flight at once, plus what the shard holds."""
+    `pp_rank`, tp rank `tp_rank`; with pp > 1 the group's world must exist), all prompts in
+    flight at once, plus what the shard holds."""
     from zeroserve import SamplingParams
     from zeroserve.common.config import EngineArgs
     from zeroserve.services import engine as engine_mod
+    from zeroserve.services.worker import pipeline
     from zeroserve.services.worker.model_runner import ModelRunner
 
     args = EngineArgs(model=model_dir, tp_size=tp, pp_size=pp, num_kv_blocks=48, max_num_batched_tokens=64)
     made = []
 
     def stage_runner(a, cfg):  # the engine builds its runner with this: this shard's stage
-        r = ModelRunner(a, cfg, tp_rank=tp_rank, tp_size=tp, tp_group=tp_group, pp_rank=pp_rank)
-        r.link = link
+        r = ModelRunner(a, cfg, tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank)
+        if pp > 1:
+            pipeline.connect(r, tp_rank, tp)  # what a worker does once its group's world exists
         made.append(r)
         return r
 
@@ -78,16 +80,12 @@ def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank
     m = made[0].model
     return {"tokens": [list(outs[i]) for i in ids], "layers": list(m.stage.layers),
             "kv_layers": len(made[0].kv_caches), "embed": m.embed_tokens is not None, "head": m.lm_head is not None,
-            "tied": m.cfg.tie_word_embeddings,
-            "param_bytes": made[0].param_bytes()}
+            "tied": m.cfg.tie_word_embeddings, "param_bytes": made[0].param_bytes()}
 
 
 def _stage_worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> None:
-    """One shard of a tp x pp group: join the world, make the stages' TP groups and the links,
-    then generate."""
+    """One shard of a tp x pp group (stage-major ranks): join the world, then generate."""
     import torch.distributed as dist
-
-    from zeroserve.services.worker.pipeline import StageInfo, StageLink, stage_tp_groups
 
     torch.set_num_threads(1)
     tp, pp = payload["tp"], payload["pp"]
@@ -95,14 +93,7 @@ def _stage_worker(rank: int, world: int, port: int, payload: dict, out_path: str
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        group = stage_tp_groups(tp, pp, pp_rank)
-        results = {}
-        for name, d in payload["dirs"].items():
-            from zeroserve.common.model_config import ModelConfig
-
-            stage = StageInfo.of(ModelConfig.from_dir(d).num_layers, pp_rank, pp)
-            link = StageLink(stage, tp_rank, tp, "cpu")
-            results[name] = generate(d, tp, pp, tp_rank, pp_rank, link, group)
+        results = {name: generate(d, tp, pp, tp_rank, pp_rank) for name, d in payload["dirs"].items()}
         torch.save(results, out_path)
     finally:
         dist.destroy_process_group()

@@ -37,7 +37,7 @@ import torch
 from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.messages import answering_rank, group_rank  # the numbering is the protocol's
 
-__all__ = ["StageInfo", "StageLink", "answering_rank", "bind_tp_group", "group_rank", "stage_layers",
+__all__ = ["StageInfo", "StageLink", "answering_rank", "bind_tp_group", "connect", "group_rank", "stage_layers",
            "stage_tp_groups"]
 
 
@@ -148,3 +148,13 @@ def bind_tp_group(model, pg) -> None:
     for m in model.modules():
         if getattr(m, "tp", None) is old:
             m.tp = new
+
+
+def connect(runner, tp_rank: int, tp_size: int) -> None:
+    """Once the group's world exists: this stage's tensor-parallel group into the model, and the
+    links to the neighbouring stages into the runner."""
+    model = runner.model
+    pg = stage_tp_groups(tp_size, model.stage.size, model.stage.rank)
+    if pg is not None:
+        bind_tp_group(model, pg)
+    runner.link = StageLink(model.stage, tp_rank, tp_size, runner.device)
