@@ -47,7 +47,8 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, make_runner=ModelRunner) -> None:
+        """`make_runner(args, model_cfg)`: the runner (a pipeline stage's: services/worker/pipeline.py)."""
         self.args = args
         model_dir = Path(args.model) if args.model else default_model_dir()
         self.model_cfg = ModelConfig.from_dir(model_dir)
@@ -58,7 +59,7 @@ class LLMEngine:
             raise InvalidRequest(
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings "
                 f"({self.model_cfg.max_position_embeddings})")
-        self.runner = ModelRunner(args, self.model_cfg)
+        self.runner = make_runner(args, self.model_cfg)
         self.block_manager = BlockManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_len, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size,

@@ -50,26 +50,11 @@ def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank
     flight at once, plus what the shard holds."""
     from zeroserve import SamplingParams
     from zeroserve.common.config import EngineArgs
-    from zeroserve.services import engine as engine_mod
-    from zeroserve.services.worker import pipeline
-    from zeroserve.services.worker.model_runner import ModelRunner
+    from zeroserve.services.engine import LLMEngine
+    from zeroserve.services.worker.pipeline import stage_runner
 
     args = EngineArgs(model=model_dir, tp_size=tp, pp_size=pp, num_kv_blocks=48, max_num_batched_tokens=64)
-    made = []
-
-    def stage_runner(a, cfg):  # the engine builds its runner with this: this shard's stage
-        r = ModelRunner(a, cfg, tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank)
-        if pp > 1:
-            pipeline.connect(r, tp_rank, tp)  # what a worker does once its group's world exists
-        made.append(r)
-        return r
-
-    real = engine_mod.ModelRunner
-    engine_mod.ModelRunner = stage_runner
-    try:
-        eng = engine_mod.LLMEngine(args)
-    finally:
-        engine_mod.ModelRunner = real
+    eng = LLMEngine(args, make_runner=stage_runner(tp_rank, tp, pp_rank))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = eng.model_cfg.vocab_size
     ids = [eng.add_request(p, params) for p in _prompts(vocab)]
@@ -77,10 +62,10 @@ def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank
     while eng.has_unfinished():
         for o in eng.step():
             outs[o.request_id] = o.outputs[0].token_ids
-    m = made[0].model
+    m = eng.runner.model
     return {"tokens": [list(outs[i]) for i in ids], "layers": list(m.stage.layers),
-            "kv_layers": len(made[0].kv_caches), "embed": m.embed_tokens is not None, "head": m.lm_head is not None,
-            "tied": m.cfg.tie_word_embeddings, "param_bytes": made[0].param_bytes()}
+            "kv_layers": len(eng.runner.kv_caches), "embed": m.embed_tokens is not None,
+            "head": m.lm_head is not None, "tied": m.cfg.tie_word_embeddings, "param_bytes": eng.runner.param_bytes()}
 
 
 def _stage_worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> None:

@@ -29,6 +29,7 @@ in benchmarks/pp_transport.py; docs/architecture.md says why this one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +39,7 @@ from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.messages import answering_rank, group_rank  # the numbering is the protocol's
 
 __all__ = ["StageInfo", "StageLink", "answering_rank", "bind_tp_group", "connect", "group_rank", "stage_layers",
-           "stage_tp_groups"]
+           "stage_runner", "stage_tp_groups"]
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -87,6 +88,8 @@ class StageLink:
         self.next = group_rank(tp_rank, tp_size, stage.rank + 1) if not stage.last else None
         self.last = group_rank(tp_rank, tp_size, stage.size - 1)
         self.sent_bytes = 0
+        # seconds spent in recv: a stage waiting for its peers (benchmarks/pp_throughput.py reports it)
+        self.wait_s = 0.0
 
     def recv_hidden(self, tokens: int, hidden_size: int, dtype: torch.dtype, with_residual: bool):
         """The previous stage's (hidden, residual) for `tokens` rows (residual None for layers
@@ -94,7 +97,9 @@ class StageLink:
         import torch.distributed as dist
 
         buf = torch.empty((2 if with_residual else 1, tokens, hidden_size), dtype=dtype, device=self.device)
+        t0 = time.perf_counter()
         dist.recv(buf, src=self.prev)
+        self.wait_s += time.perf_counter() - t0
         return buf[0], (buf[1] if with_residual else None)
 
     def send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -118,7 +123,9 @@ class StageLink:
         import torch.distributed as dist
 
         t = torch.empty(n, dtype=torch.int32, device=self.device)
+        t0 = time.perf_counter()
         dist.recv(t, src=self.last)
+        self.wait_s += time.perf_counter() - t0
         return t.cpu().numpy()
 
 
@@ -158,3 +165,18 @@ def connect(runner, tp_rank: int, tp_size: int) -> None:
     if pg is not None:
         bind_tp_group(model, pg)
     runner.link = StageLink(model.stage, tp_rank, tp_size, runner.device)
+
+
+def stage_runner(tp_rank: int, tp_size: int, pp_rank: int):
+    """`make_runner` for an in-process LLMEngine that is one shard of a group (tests, benchmarks):
+    every shard runs the same engine, so all get the same steps, as from the scheduler. The
+    group's torch.distributed world must exist."""
+    from zeroserve.services.worker.model_runner import ModelRunner  # (it imports the model, which imports us)
+
+    def make(args, cfg):
+        r = ModelRunner(args, cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank)
+        if r.pp_size > 1:
+            connect(r, tp_rank, tp_size)
+        return r
+
+    return make
