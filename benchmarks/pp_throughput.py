@@ -9,7 +9,7 @@ loading the model and allocating the KV cache added to its resident set (RSS aft
 before, in the same process after torch is imported: the runtime's own ~300 MB is not the
 model's), the weight bytes and the KV-cache bytes it holds. The runs' tokens must be equal.
 
-    python benchmarks/pp_throughput.py --requests 16 --threads 1 [--json]
+    python benchmarks/pp_throughput.py --requests 16 --output 64 --threads 1 [--wire zmq|dist] [--json]
 
 Stages run one after the other within a step (one step in flight per group), so the ideal here
 is pp=2 at pp=1's throughput with half the memory per process; what pp=2 loses is the
@@ -58,7 +58,7 @@ def _shard(rank: int, world: int, port: int, a: dict, q) -> None:
     # a pipeline stage never does (services/worker/matmul_probe.py), and the tokens would differ
     args = EngineArgs(model=a["model"], pp_size=world, num_kv_blocks=a["kv_blocks"], max_num_seqs=a["requests"],
                       matmul_dtype="float32")
-    eng = LLMEngine(args, make_runner=stage_runner(0, 1, rank))
+    eng = LLMEngine(args, make_runner=stage_runner(0, 1, rank, a["wire"]))
     rss1 = psutil.Process().memory_info().rss
     wl = make_workload(a["requests"], seed=0, min_prompt=a["prompt"], max_prompt=a["prompt"], min_output=a["output"],
                        max_output=a["output"], vocab_size=a["vocab"])
@@ -92,11 +92,13 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=64, help="output tokens per request")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--kv-blocks", type=int, default=256)
+    ap.add_argument("--wire", choices=("zmq", "dist"), default=None,
+                    help="how the stages talk (services/worker/stage_wire.py; default: ZeroMQ on CPU)")
     ap.add_argument("--json", action="store_true")
     cli = ap.parse_args()
     model = bench_model_dir()
     a = {"model": str(model), "requests": cli.requests, "prompt": cli.prompt, "output": cli.output,
-         "threads": cli.threads, "kv_blocks": cli.kv_blocks, "vocab": token_id_limit(model)}
+         "threads": cli.threads, "kv_blocks": cli.kv_blocks, "vocab": token_id_limit(model), "wire": cli.wire}
     results = {pp: spawn_ranks(_shard, pp, a) for pp in (1, 2)}
     same = results[1][0]["tokens"] == results[2][0]["tokens"] == results[2][1]["tokens"]
     rows = []

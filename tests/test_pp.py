@@ -44,17 +44,17 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [random_prompt(n, min(vocab, 512), seed=70 + i) for i, n in enumerate(PROMPT_LENS)]
 
 
-def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0) -> dict:
+def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0, wire=None) -> dict:
     """Greedy tokens of every prompt from an LLMEngine whose runner is this shard (stage
     `pp_rank`, tp rank `tp_rank`; with pp > 1 the group's world must exist), all prompts in
-    flight at once, plus what the shard holds."""
+    flight at once, plus what the shard holds. `wire`: how stages talk (None: ZeroMQ on CPU)."""
     from zeroserve import SamplingParams
     from zeroserve.common.config import EngineArgs
     from zeroserve.services.engine import LLMEngine
     from zeroserve.services.worker.pipeline import stage_runner
 
     args = EngineArgs(model=model_dir, tp_size=tp, pp_size=pp, num_kv_blocks=48, max_num_batched_tokens=64)
-    eng = LLMEngine(args, make_runner=stage_runner(tp_rank, tp, pp_rank))
+    eng = LLMEngine(args, make_runner=stage_runner(tp_rank, tp, pp_rank, wire))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = eng.model_cfg.vocab_size
     ids = [eng.add_request(p, params) for p in _prompts(vocab)]
@@ -78,7 +78,7 @@ def _stage_worker(rank: int, world: int, port: int, payload: dict, out_path: str
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        results = {name: generate(d, tp, pp, tp_rank, pp_rank) for name, d in payload["dirs"].items()}
+        results = {name: generate(d, tp, pp, tp_rank, pp_rank, payload["wire"]) for name, d in payload["dirs"].items()}
         torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
@@ -117,7 +117,7 @@ def _check(names, dirs, ref, shards, tp: int, pp: int) -> None:
 
 def test_pp2_matches_pp1_and_hf(tmp_path):
     dirs = _dirs(tmp_path, CASES)
-    ref, shards = run_ranks(__file__, 2, {"dirs": dirs, "tp": 1, "pp": 2}, tmp_path,
+    ref, shards = run_ranks(__file__, 2, {"dirs": dirs, "tp": 1, "pp": 2, "wire": None}, tmp_path,
                             lambda: {n: generate(d) for n, d in dirs.items()}, timeout=600)
     _check(CASES, dirs, ref, shards, 1, 2)
     for name in ("llama", "mixtral"):  # float weights: the two stages hold about half each
@@ -125,10 +125,12 @@ def test_pp2_matches_pp1_and_hf(tmp_path):
         assert all(p < 0.75 * full for p in parts) and sum(parts) >= full, (name, full, parts)
 
 
-def test_tp2_pp2_matches_pp1(tmp_path):
+@pytest.mark.parametrize("wire", ["zmq", "dist"])
+def test_tp2_pp2_matches_pp1(tmp_path, wire):
+    """Four shards, two per stage; the stages' links over ZeroMQ and over gloo send/recv."""
     names = ("llama", "mixtral")
     dirs = _dirs(tmp_path, names)
-    ref, shards = run_ranks(__file__, 4, {"dirs": dirs, "tp": 2, "pp": 2}, tmp_path,
+    ref, shards = run_ranks(__file__, 4, {"dirs": dirs, "tp": 2, "pp": 2, "wire": wire}, tmp_path,
                             lambda: {n: generate(d) for n, d in dirs.items()}, timeout=600)
     _check(names, dirs, ref, shards, 2, 2)
 

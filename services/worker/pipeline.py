@@ -22,9 +22,9 @@ scheduler (`answering_rank`). The sampled tokens go back from the last stage to 
 one (same tp rank), which appends them to its own copy of each sequence: the first stage
 needs them as the next step's input, every stage to know which rows sample.
 
-The transfer is torch.distributed point-to-point (`send` / `recv`) on the group's own world:
-gloo on CPU, NCCL on GPU (tensors stay on the device). Measured against a ZeroMQ PAIR socket
-in benchmarks/pp_transport.py; docs/architecture.md says why this one.
+The transfer (services/worker/stage_wire.py) is a ZeroMQ PUSH/PULL pair per direction on CPU
+and torch.distributed send/recv (NCCL: tensors stay on the device) on GPU; measured in
+benchmarks/pp_transport.py, docs/architecture.md says why.
 """
 
 from __future__ import annotations
@@ -77,55 +77,57 @@ class StageInfo:
 
 
 class StageLink:
-    """Point-to-point links of one shard to its neighbours in the pipeline, over the group's
-    torch.distributed world (already initialized, `group_rank` numbering)."""
+    """The links of one shard to the other stages of its group (same tp rank), over a wire
+    (services/worker/stage_wire.py: ZeroMQ on CPU, torch.distributed on GPU) set up once the
+    group's torch.distributed world exists (`group_rank` numbering)."""
 
-    def __init__(self, stage: StageInfo, tp_rank: int, tp_size: int, device) -> None:
+    def __init__(self, stage: StageInfo, tp_rank: int, tp_size: int, device, host: str = "127.0.0.1",
+                 wire: str | None = None) -> None:
+        from zeroserve.services.worker.stage_wire import make_wire
+
         self.stage = stage
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = torch.device(device)
-        self.prev = group_rank(tp_rank, tp_size, stage.rank - 1) if not stage.first else None
-        self.next = group_rank(tp_rank, tp_size, stage.rank + 1) if not stage.last else None
-        self.last = group_rank(tp_rank, tp_size, stage.size - 1)
+        rank_of = lambda s: group_rank(tp_rank, tp_size, s)  # noqa: E731
+        self.prev = rank_of(stage.rank - 1) if not stage.first else None
+        self.next = rank_of(stage.rank + 1) if not stage.last else None
+        self.last = rank_of(stage.size - 1)
+        self.earlier = [rank_of(s) for s in range(stage.size - 1)]  # where the last stage sends its tokens
+        sends = self.earlier if stage.last else [self.next]
+        recvs = [r for r in (self.prev, None if stage.last else self.last) if r is not None]
+        self.wire = make_wire(wire, self.device, host, sends, recvs)
         self.sent_bytes = 0
         # seconds spent in recv: a stage waiting for its peers (benchmarks/pp_throughput.py reports it)
         self.wait_s = 0.0
 
+    def _recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self.wire.recv(buf, src)
+        self.wait_s += time.perf_counter() - t0
+        return buf
+
     def recv_hidden(self, tokens: int, hidden_size: int, dtype: torch.dtype, with_residual: bool):
         """The previous stage's (hidden, residual) for `tokens` rows (residual None for layers
         that carry none); both in one message: one round trip instead of two."""
-        import torch.distributed as dist
-
         buf = torch.empty((2 if with_residual else 1, tokens, hidden_size), dtype=dtype, device=self.device)
-        t0 = time.perf_counter()
-        dist.recv(buf, src=self.prev)
-        self.wait_s += time.perf_counter() - t0
+        self._recv(buf, self.prev)
         return buf[0], (buf[1] if with_residual else None)
 
     def send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        import torch.distributed as dist
-
         buf = hidden.unsqueeze(0) if residual is None else torch.stack((hidden, residual))
         buf = buf.contiguous()
         self.sent_bytes += buf.numel() * buf.element_size()
-        dist.send(buf, dst=self.next)
+        self.wire.send(buf, self.next)
 
     def send_tokens(self, toks: np.ndarray) -> None:
-        """The last stage: the tokens it sampled, to every earlier stage (same tp rank)."""
-        import torch.distributed as dist
-
+        """The last stage: the tokens it sampled, to every earlier stage."""
         t = torch.from_numpy(np.ascontiguousarray(toks, np.int32)).to(self.device)
-        for s in range(self.stage.size - 1):
-            dist.send(t, dst=group_rank(self.tp_rank, self.tp_size, s))
+        for dst in self.earlier:
+            self.wire.send(t, dst)
 
     def recv_tokens(self, n: int) -> np.ndarray:
         """An earlier stage: the `n` tokens the last stage sampled in this step."""
-        import torch.distributed as dist
-
-        t = torch.empty(n, dtype=torch.int32, device=self.device)
-        t0 = time.perf_counter()
-        dist.recv(t, src=self.last)
-        self.wait_s += time.perf_counter() - t0
+        t = self._recv(torch.empty(n, dtype=torch.int32, device=self.device), self.last)
         return t.cpu().numpy()
 
 
@@ -157,17 +159,18 @@ def bind_tp_group(model, pg) -> None:
             m.tp = new
 
 
-def connect(runner, tp_rank: int, tp_size: int) -> None:
+def connect(runner, tp_rank: int, tp_size: int, host: str = "127.0.0.1", wire: str | None = None) -> None:
     """Once the group's world exists: this stage's tensor-parallel group into the model, and the
-    links to the neighbouring stages into the runner."""
+    links to the other stages into the runner (`host`: the address this shard's links listen on,
+    its advertised one; `wire`: services/worker/stage_wire.py, None = by device)."""
     model = runner.model
     pg = stage_tp_groups(tp_size, model.stage.size, model.stage.rank)
     if pg is not None:
         bind_tp_group(model, pg)
-    runner.link = StageLink(model.stage, tp_rank, tp_size, runner.device)
+    runner.link = StageLink(model.stage, tp_rank, tp_size, runner.device, host, wire)
 
 
-def stage_runner(tp_rank: int, tp_size: int, pp_rank: int):
+def stage_runner(tp_rank: int, tp_size: int, pp_rank: int, wire: str | None = None):
     """`make_runner` for an in-process LLMEngine that is one shard of a group (tests, benchmarks):
     every shard runs the same engine, so all get the same steps, as from the scheduler. The
     group's torch.distributed world must exist."""
@@ -176,7 +179,7 @@ def stage_runner(tp_rank: int, tp_size: int, pp_rank: int):
     def make(args, cfg):
         r = ModelRunner(args, cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank)
         if r.pp_size > 1:
-            connect(r, tp_rank, tp_size)
+            connect(r, tp_rank, tp_size, wire=wire)
         return r
 
     return make

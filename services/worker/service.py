@@ -118,17 +118,18 @@ class WorkerService:
         if not addr:
             raise ZeroserveError("the scheduler gave no torch.distributed address for this worker group")
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
-        self._bind_collectives(addr)
+        link_host = self._bind_collectives(addr)
         log.info("joining the group's torch.distributed world", addr=addr, rank=self.rank, world=self.world,
                  tp_rank=self.tp_rank, pp_rank=self.pp_rank, backend=backend)
         dist.init_process_group(backend, init_method=addr, rank=self.rank, world_size=self.world,
                                 timeout=datetime.timedelta(seconds=120))
         if self.pp_size > 1:
-            pipeline.connect(self.runner, self.tp_rank, self.tp_size)
+            pipeline.connect(self.runner, self.tp_rank, self.tp_size, host=link_host)
         self._dist_ready = True
 
-    def _bind_collectives(self, rendezvous: str) -> None:
-        """gloo/NCCL on the interface the other shards reach us by (services/worker/netif.py)."""
+    def _bind_collectives(self, rendezvous: str) -> str:
+        """gloo/NCCL on the interface the other shards reach us by (services/worker/netif.py);
+        returns its address (where a pipeline stage's links listen)."""
         choice = netif.pick_interface(self.advertise_host, rendezvous)
         set_now = netif.bind_collectives(choice, self.collective_ifname)
         if self.collective_ifname:
@@ -140,6 +141,7 @@ class WorkerService:
                      **{v: os.environ[v] for v in netif.IFNAME_VARS if os.environ.get(v)}, found=choice.ifname)
         else:
             log.warning("collectives: no interface found; gloo/NCCL choose by the host name", why=choice.why)
+        return choice.address or self.host
 
     def _hello(self) -> P.Hello:
         r = self.runner
