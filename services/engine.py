@@ -50,6 +50,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, make_runner=ModelRunner) -> None:
         """`make_runner(args, model_cfg)`: the runner (a pipeline stage's: services/worker/pipeline.py)."""
         self.args = args
+        if args.pp_size > 1 and make_runner is ModelRunner:  # one process holds one stage
+            raise InvalidRequest("pp_size > 1 needs a process per pipeline stage: serve the model with "
+                                 "`zeroserve up --pp N` (or one `zeroserve worker --pp-rank S` per stage)")
         model_dir = Path(args.model) if args.model else default_model_dir()
         self.model_cfg = ModelConfig.from_dir(model_dir)
         self.sampling_defaults = resolve_sampling_defaults(self.model_cfg, args.generation_config)

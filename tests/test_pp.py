@@ -44,7 +44,8 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [random_prompt(n, min(vocab, 512), seed=70 + i) for i, n in enumerate(PROMPT_LENS)]
 
 
-def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0, wire=None) -> dict:
+def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0, wire=None,
+             dtype: str = "auto") -> dict:
     """Greedy tokens of every prompt from an LLMEngine whose runner is this shard (stage
     `pp_rank`, tp rank `tp_rank`; with pp > 1 the group's world must exist), all prompts in
     flight at once, plus what the shard holds. `wire`: how stages talk (None: ZeroMQ on CPU)."""
@@ -53,7 +54,7 @@ def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank
     from zeroserve.services.engine import LLMEngine
     from zeroserve.services.worker.pipeline import stage_runner
 
-    args = EngineArgs(model=model_dir, tp_size=tp, pp_size=pp, num_kv_blocks=48, max_num_batched_tokens=64)
+    args = EngineArgs(model=model_dir, tp_size=tp, pp_size=pp, num_kv_blocks=48, max_num_batched_tokens=64, dtype=dtype)
     eng = LLMEngine(args, make_runner=stage_runner(tp_rank, tp, pp_rank, wire))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = eng.model_cfg.vocab_size
@@ -78,7 +79,8 @@ def _stage_worker(rank: int, world: int, port: int, payload: dict, out_path: str
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        results = {name: generate(d, tp, pp, tp_rank, pp_rank, payload["wire"]) for name, d in payload["dirs"].items()}
+        results = {name: generate(d, tp, pp, tp_rank, pp_rank, payload["wire"], payload.get("dtype", "auto"))
+                   for name, d in payload["dirs"].items()}
         torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
@@ -135,6 +137,15 @@ def test_tp2_pp2_matches_pp1(tmp_path, wire):
     _check(names, dirs, ref, shards, 2, 2)
 
 
+def test_pp2_bf16_matches_pp1(tmp_path):
+    """bf16 hidden states and residuals between the stages (the ZeroMQ wire sends them as bytes)."""
+    dirs = _dirs(tmp_path, ["llama"])
+    ref, shards = run_ranks(__file__, 2, {"dirs": dirs, "tp": 1, "pp": 2, "wire": None, "dtype": "bfloat16"},
+                            tmp_path, lambda: {"llama": generate(dirs["llama"], dtype="bfloat16")}, timeout=600)
+    for s in shards:
+        assert s["llama"]["tokens"] == ref["llama"]["tokens"]
+
+
 def test_stage_layers_split():
     from zeroserve.common.errors import ModelLoadError
     from zeroserve.services.worker.pipeline import answering_rank, group_rank, stage_layers
@@ -146,6 +157,15 @@ def test_stage_layers_split():
     # stage-major ranks; the last stage's tp rank 0 answers
     assert [group_rank(t, 2, p) for p in range(2) for t in range(2)] == [0, 1, 2, 3]
     assert answering_rank(2, 2) == 2 and answering_rank(1, 1) == 0
+
+
+def test_one_process_refuses_several_stages():
+    from zeroserve.common.config import EngineArgs
+    from zeroserve.common.errors import InvalidRequest
+    from zeroserve.services.engine import LLMEngine
+
+    with pytest.raises(InvalidRequest, match="a process per pipeline stage"):
+        LLMEngine(EngineArgs(model=str(cached_model_dir("llama")), pp_size=2))
 
 
 def test_engine_args_refuse_speculation_with_pp():

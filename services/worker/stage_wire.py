@@ -74,7 +74,7 @@ class ZmqWire:
         self._finalizer = weakref.finalize(self, _close, self.ctx, [*self.pull.values(), *self.push.values()])
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        a = t.contiguous().numpy()
+        a = t.contiguous().view(torch.uint8).numpy()  # as bytes: numpy has no bfloat16
         self.push[dst].send(a, copy=a.nbytes < (64 << 10))  # zero-copy for big ones (the array stays referenced)
 
     def recv(self, buf: torch.Tensor, src: int) -> None:
@@ -87,7 +87,7 @@ class ZmqWire:
         want = buf.numel() * buf.element_size()
         if len(frame) != want:  # the stages disagree about the step: never compute on it
             raise ValueError(f"pipeline peer rank {src} sent {len(frame)} bytes, this step expects {want}")
-        np.copyto(buf.numpy().reshape(-1).view(np.uint8), np.frombuffer(frame.buffer, np.uint8))
+        np.copyto(buf.view(torch.uint8).numpy().reshape(-1), np.frombuffer(frame.buffer, np.uint8))
 
     def close(self) -> None:
         self._finalizer()
