@@ -9,7 +9,8 @@ One module-scoped cluster (scheduler, detokenizer, groups g0 and g1 of two stage
 3. a stage SIGKILLed while 64 greedy requests stream (the first stage of g0: the answering
    last stage survives, blocked on a peer that is gone) takes its group out, and every request
    finishes on g1 with the reference tokens and text, no stream repeating or skipping a token
-   (tests/test_failover.py's harness and workload).
+   (tests/test_failover.py's harness and workload);
+4. a stage of a new group g2 stopped (SIGSTOP) mid-run: the same, once its heartbeats are missed.
 
 Then, each in a cluster of its own: an MoE family (mixtral) at pp=2, and tp=2 x pp=2 (four
 shards in one group), both equal to HF's greedy tokens.
@@ -114,6 +115,26 @@ def test_stage_sigkill_midrun(cluster, workload):
     assert g1["state"] == "ready" and g1["tokens"] > 0
     # the surviving stage of g0 does not hang on: it leaves once its group is given up
     assert cluster.wait_exit("g0-s1-r0", timeout=60) != 0
+
+
+def test_stage_hangs_midrun(cluster, workload):
+    """A stage that stops (SIGSTOP: no heartbeats, no steps) takes a new group g2 out after the
+    heartbeat timeout; every request finishes with the reference tokens."""
+    for s in range(2):
+        cluster.start_worker("g2", stage=s)
+    _wait(lambda: (_group(cluster, "g2") or {}).get("state") == "ready", 120, "g2 to be ready", cluster)
+    requeued = cluster.stats()["metrics"].get("requeued", 0)
+    try:
+        run = Run(cluster, workload, threshold=N_REQUESTS * 3,
+                  action=lambda: cluster.kill("g2-s1-r0", signal.SIGSTOP), timeout_s=120.0).run()
+        assert run.fired_at is not None and run.fired_at < run.total, "the stop should land mid-run"
+        run.check()
+        _wait(lambda: _group(cluster, "g2") is None, 30, "g2 to leave", cluster)
+        assert cluster.stats()["metrics"]["requeued"] > requeued, "g2 held no request when it stopped"
+    finally:
+        cluster.kill("g2-s1-r0", signal.SIGCONT)
+    # woken, the stopped stage finds its group given up and leaves (code 3: its collectives are gone)
+    assert cluster.wait_exit("g2-s1-r0", timeout=60) != 0
 
 
 @pytest.mark.parametrize("arch,tp", [("mixtral", 1), ("llama", 2)], ids=["mixtral_pp2", "llama_tp2_pp2"])
