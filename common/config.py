@@ -209,10 +209,11 @@ class ModelArgs:
     """model"""
 
     model: str | None = knob(None, "HF model directory or .gguf file (default: the built-in tiny model)")
-    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16")
-    matmul_dtype: str = knob("auto", "CPU fp32 models: the batched matmuls' dtype; bfloat16 = on bf16 copies of the "
-                                     "weights from 8 rows; auto = bfloat16 from the row count where a start-up "
-                                     "measurement of whole steps found it faster, on CPUs with native bf16 only",
+    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16; on a CPU auto = float32 (exact) and bfloat16 = "
+                              "the bf16 matmul regime with the linears' weights held in bf16 (docs/models.md)")
+    matmul_dtype: str = knob("auto", "CPU: every linear's arithmetic at any batch size; float32 (exact) or bfloat16 "
+                                     "(x and w rounded to bf16, fp32 sums, batch-invariant); auto = bfloat16 if "
+                                     "--dtype asks for it, else float32; never measured",
                              choices=("auto", "float32", "bfloat16"))
     quantization: str = knob("auto", "weight quantization: auto = keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K weights packed "
                                      "(other types dequantized; safetensors as floats); none = dequantize everything "
@@ -332,6 +333,10 @@ class GenerationArgs:
                                           "generation_config.json (a GGUF's general.sampling.*), none = "
                                           "SamplingParams' own, or a generation_config.json FILE",
                                   metavar="auto|none|FILE")
+    pooling: str = knob("auto", "how embedding requests pool the final hidden states over the prompt: last "
+                                "(the last token's), mean, or auto = mean where the model directory has a "
+                                "sentence-transformers 1_Pooling/config.json saying so, else last",
+                        choices=("auto", "last", "mean"))
 
 
 @dataclass(kw_only=True)

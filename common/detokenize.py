@@ -34,6 +34,7 @@ _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded in front of the first output
 class DetokenizerDelta:
     text_delta: str  # new text the user may see now
     stop_str: str | None = None  # the stop string that matched: the request must finish now
+    tokens: int | None = None  # with stop_str: the ids of this call up to the one that completed it
 
 
 class IncrementalDetokenizer:
@@ -140,16 +141,33 @@ class IncrementalDetokenizer:
     # ----------------------------------------------------------------------------- API
 
     def add_tokens(self, token_ids: list[int]) -> DetokenizerDelta:
-        """Feed newly generated token ids; returns the text the user may see now. After a stop
-        string matched (or `finish()`), further tokens are ignored."""
+        """Feed newly generated token ids; returns the text the user may see now. With stop
+        strings the ids go in one at a time, so a match names the token that completed it
+        (`tokens`): the same token however the ids were grouped into calls, so a stream and a
+        result of one request, batched differently on their way here, end on the same token.
+        After a stop string matched (or `finish()`), further tokens are ignored."""
         if self.finished:
             return DetokenizerDelta("")
         ids = [int(t) for t in token_ids]
+        if not self.stops or len(ids) <= 1:
+            return self._feed(ids)
+        parts = []
+        for i, t in enumerate(ids):
+            d = self._feed([t])
+            parts.append(d.text_delta)
+            if d.stop_str is not None:
+                return DetokenizerDelta("".join(parts), d.stop_str, tokens=i + 1)
+        return DetokenizerDelta("".join(parts))
+
+    def _feed(self, ids: list[int]) -> DetokenizerDelta:
         if not ids:
             return DetokenizerDelta("")
         self._ids.extend(ids)
         self.num_output_tokens += len(ids)
-        return self._advance(self._release(force=False), final=False)
+        d = self._advance(self._release(force=False), final=False)
+        if d.stop_str is not None:
+            d.tokens = len(ids)
+        return d
 
     def finish(self) -> str:
         """The request ended for another reason (length, eos, abort): release everything held

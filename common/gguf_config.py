@@ -1,6 +1,6 @@
 """What a GGUF file says about the model: its metadata turned into our `ModelConfig`.
 
-`config_from_gguf(path)` reads `general.architecture` and the `<arch>.*` / `tokenizer.ggml.*`
+`config_from_gguf(path, ModelConfig.from_hf_dict)` reads `general.architecture` and the `<arch>.*` / `tokenizer.ggml.*`
 keys, spells them as an HF config dict and hands that to `ModelConfig.from_hf_dict`, so GGUF and
 safetensors models go through the same validation. No torch here: the scheduler and the
 detokenizer read configs too (numpy and the `gguf` package are fine).
@@ -22,6 +22,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -169,10 +170,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(path)
 
 
-def config_from_gguf(path: str | os.PathLike):
-    """ModelConfig for one .gguf file (name = the file stem, model_dir = the file)."""
-    from zeroserve.common.model_config import ModelConfig
-
+def config_from_gguf(path: str | os.PathLike, from_hf_dict: Callable[..., Any]):
+    """ModelConfig for one .gguf file (name = the file stem, model_dir = the file).
+    `from_hf_dict`: ModelConfig.from_hf_dict, passed in by model_config.py (which imports this
+    module; the arrow runs one way)."""
     path = Path(path)
     gf = open_gguf(path)
     meta, tensors = gf.metadata, gf.tensors
@@ -234,7 +235,7 @@ def config_from_gguf(path: str | os.PathLike):
     hf["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
     hf["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
     hf.update(_moe_keys(key, arch, hf, tensors))
-    cfg = ModelConfig.from_hf_dict(hf, {}, model_dir=str(path), source=source)
+    cfg = from_hf_dict(hf, {}, model_dir=str(path), source=source)
     if arch != "qwen2":  # from_hf_dict ties o_proj's bias to q/k/v's; GGUF says which exist
         cfg.o_proj_bias = "blk.0.attn_output.bias" in tensors
     if arch in ("gemma2", "gemma3"):

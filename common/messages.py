@@ -16,6 +16,7 @@ arrived.
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -43,6 +44,9 @@ from zeroserve.common.schema import (  # noqa: F401 - the field types are part o
 )
 
 PROTOCOL_VERSION = 2
+# an embedding request's pooling of the final-normed hidden states over its prompt: the last
+# token's, or the mean of every position's ("" in a Submit: the model's, common/embeddings.py)
+Pooling = Literal["last", "mean"]
 
 
 # ==================================================================== Client <-> scheduler
@@ -86,8 +90,17 @@ class Submit(Message):
     model_defaults: Annotated[list[ModelDefaultField], msgspec.Meta(max_length=16)] = []
     # chat only: OpenAI function definitions the chat template shows the model
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None
+    # "embed": a prefill-only request whose answer is the pooled hidden state of its prompt (one
+    # Output with `embedding`, no tokens); its blocks are freed once the prefill has run
+    kind: Literal["generate", "embed"] = "generate"
+    pooling: Literal["", "last", "mean"] = ""  # embed: "" = the model's pooling
 
     def check(self) -> str | None:
+        if self.kind == "embed" and (self.messages is not None or self.params.n != 1
+                                     or self.params.structured_outputs is not None):
+            return "an embedding request takes a prompt (text or token ids), n = 1 and no constraint"
+        if self.kind != "embed" and self.pooling:
+            return "pooling goes with kind embed"
         if self.messages is not None:
             if self.prompt is not None or self.prompt_token_ids is not None:
                 return "give chat messages or a prompt, not both"
@@ -177,6 +190,7 @@ class Output(Message):
     # it (queueing, prefill and the first token inside the cluster; what a client sees on top
     # of it is transport: benchmarks/serve.py tells the gateway's share apart with it)
     first_token_latency: float | None = None
+    embedding: F32 | None = None  # an embedding request's answer: the pooled hidden state (not normalised)
 
     def check(self) -> str | None:
         if type(self.token_ids) is not list:  # an array or tuple from the sender
@@ -254,8 +268,12 @@ class Hello(Message, kw_only=True):
     # policy reserves KV slots for that many lookahead tokens of each decoding request
     num_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     memory: ShardMemory = msgspec.field(default_factory=ShardMemory)
+    # what the shard computes (services/worker/numerics.py: matmul dtype / kernel build / KV dtype
+    # / weight format): groups of one model must compute alike for failover to stay exact
+    numeric_mode: Annotated[str, msgspec.Meta(max_length=200)] = ""
     # pipeline parallelism: the group is pp_size stages of tp_size shards; its rank 0 (stage 0,
-    # tp rank 0) proposes dist_init_addr, the last stage's tp rank 0 answers steps
+    # tp rank 0) proposes dist_init_addr, the last stage's tp rank 0 answers steps. Trailing: a
+    # HELLO without them (an older worker) reads as pp=1
     pp_rank: Count = 0
     pp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
 
@@ -321,6 +339,9 @@ class NewRequest(Message):
     block_ids: I32 = msgspec.field(default_factory=empty_i32)
     num_computed_tokens: Count = 0
     num_scheduled_tokens: Count = 0
+    # an embedding request: once its prompt is computed the worker returns this pooling of the
+    # final hidden states (StepResult.embeddings) instead of sampling a token
+    pooling: Pooling | None = None
 
     def check(self) -> str | None:
         n = self.token_ids.shape[0]
@@ -445,9 +466,15 @@ class StepResult(Message):
     spec_token_ids: I32 | None = None
     num_spec_tokens: I32 | None = None
     num_draft_tokens: I32 | None = None
+    # embedding requests whose prompt this step completed, and their pooled hidden states (fp32)
+    embed_req_ids: list[Name] = msgspec.field(default_factory=list)
+    embeddings: F32_2D | None = None
 
     def check(self) -> str | None:
         r = len(self.req_ids)
+        n_emb = 0 if self.embeddings is None else self.embeddings.shape[0]
+        if n_emb != len(self.embed_req_ids):
+            return f"embeddings has {n_emb} rows for {len(self.embed_req_ids)} embed_req_ids"
         if self.sampled_token_ids.shape[0] != r:
             return f"sampled_token_ids has {self.sampled_token_ids.shape[0]} entries for {r} req_ids"
         spec = (self.spec_token_ids, self.num_spec_tokens, self.num_draft_tokens)
@@ -536,10 +563,11 @@ class DetokTokens(Message):
     def build(cls, seq: int, req_ids: list[str], token_ids: list[Any],
               finish_reasons: list[str | None] | None = None) -> DetokTokens:
         """From per-request token lists."""
-        counts = np.fromiter((len(t) for t in token_ids), np.int32, len(token_ids))
-        flat = (np.concatenate([np.asarray(t, np.int32).reshape(-1) for t in token_ids]) if token_ids
-                else empty_i32())
-        return cls(seq=seq, req_ids=list(req_ids), counts=counts, token_ids=flat.astype(np.int32, copy=False),
+        counts = np.fromiter(map(len, token_ids), np.int32, len(token_ids))
+        # one pass over the ids (a step brings each request one or a few): an array per request
+        # and a concatenate cost ~3 us a request
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int32, int(counts.sum(dtype=np.int64)))
+        return cls(seq=seq, req_ids=list(req_ids), counts=counts, token_ids=flat,
                    finish_reasons=list(finish_reasons) if finish_reasons is not None else [None] * len(req_ids))
 
     def per_request(self) -> list[np.ndarray]:
@@ -551,17 +579,22 @@ class DetokTokens(Message):
 
 class DetokOutputs(Message):
     """Text deltas for a DetokTokens batch; ``stop_strs[i]`` is the stop string that ended
-    request i (its text already truncated)."""
+    request i (its text already truncated) and ``stop_tokens[i]`` how many of request i's ids in
+    the batch its output keeps: those up to and including the one that completed the stop
+    string (-1 without a stop; an empty list keeps every id)."""
 
     seq: Seq = 0
     req_ids: list[Name] = msgspec.field(default_factory=list)
     text_deltas: list[str] = msgspec.field(default_factory=list)
     stop_strs: list[str | None] = msgspec.field(default_factory=list)
+    stop_tokens: list[Annotated[int, msgspec.Meta(ge=-1)]] = msgspec.field(default_factory=list)
 
     def check(self) -> str | None:
         r = len(self.req_ids)
         if len(self.text_deltas) != r or len(self.stop_strs) != r:
             return f"text_deltas ({len(self.text_deltas)}) and stop_strs ({len(self.stop_strs)}) need {r} entries"
+        if self.stop_tokens and len(self.stop_tokens) != r:
+            return f"stop_tokens ({len(self.stop_tokens)}) needs {r} entries"
         return None
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from zeroserve.common.dense_families import DENSE_ARCHITECTURES, FULL, SLIDING, family_fields, gemma3_rope, layer_types
 from zeroserve.common.errors import ModelLoadError
+from zeroserve.common.gguf_config import config_from_gguf
 from zeroserve.common.sampling_params import check_defaults, defaults_from_generation_config
 
 # architecture name in config.json -> family our model code uses
@@ -170,11 +171,7 @@ class ModelConfig:
         one .gguf file, is read by common/gguf_config.py instead."""
         kind, path = resolve_model_path(model_dir)
         if kind == "gguf":
-            from zeroserve.common.gguf_config import (
-                config_from_gguf,  # lazy: it imports this module
-            )
-
-            return config_from_gguf(path)
+            return config_from_gguf(path, cls.from_hf_dict)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
         cfg_path = path / "config.json"

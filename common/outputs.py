@@ -58,3 +58,48 @@ class RequestOutput:
     # seconds from the scheduler's receipt of the request to its first token leaving the
     # scheduler (None from engines without one, e.g. the offline LLM)
     first_token_latency: float | None = None
+    # an embedding request: the pooled final hidden state as computed (not normalised; embed()
+    # hands out EmbeddingOutput instead)
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (what ``embed()`` returns): L2-normalised unless asked otherwise."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+def item_logprobs(item, decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
+    """The logprobs of one scheduler `Output` item, one dict per token; an item that carries no
+    arrays gets empty dicts, so the list stays one entry per token."""
+    if item.logprobs is None:
+        return [{} for _ in range(len(item.token_ids))]
+    ranks = item.ranks if item.ranks is not None else [None] * len(item.token_ids)
+    return logprob_entries(item.logprob_token_ids, item.logprobs, ranks, decode=decode)
+
+
+def completion_from_items(index: int, items: list, finish_reason: str | None, stop_reason: int | str | None,
+                          want_logprobs: bool, decode: Callable[[int], str] | None = None) -> CompletionOutput:
+    """Completion `index` of a request from its scheduler `Output` items (token-id and text
+    deltas, in order): how the client and the in-process LLM both put a result together."""
+    if not items:
+        toks: list[int] = []
+    elif len(items) == 1:
+        toks = items[0].token_ids
+    else:
+        toks = [t for it in items for t in it.token_ids]
+    lps = None
+    if want_logprobs:
+        lps = []
+        for it in items:
+            lps.extend(item_logprobs(it, decode))
+    return CompletionOutput(index, "".join([it.text for it in items]), toks, finish_reason, lps, stop_reason)
+
+
+def embedding_from_items(items: list) -> list[float] | None:
+    """An embedding request's vector (as computed) from its scheduler `Output` items; None for a
+    generation's."""
+    return next((it.embedding.tolist() for it in items if it.embedding is not None), None)

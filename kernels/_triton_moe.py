@@ -1,4 +1,4 @@
-"""The @triton.jit grouped GEMM behind kernels/moe.py's fused_moe_triton (imported lazily).
+"""The @triton.jit grouped GEMM behind kernels/triton_ops.py's fused_moe (imported lazily).
 
 One program computes a BLOCK_M x BLOCK_N tile of `out` for one tile of expert-sorted slots:
 all BLOCK_M rows of a tile belong to the same expert (zeroserve.kernels.moe.align_block_size), so the

@@ -6,7 +6,7 @@ cached under ``$ZEROSERVE_CACHE/kernels`` (default ``~/.cache/zeroserve``; the t
 is not writable) keyed by the source, the flags and the CPU, so each machine compiles once
 (well under a second per library).
 
-Three libraries, each loaded on its own first use, each with a reason when it could not be:
+Four libraries, each loaded on its own first use, each with a reason when it could not be:
 - csrc/paged_decode.c, decode attention: ``available()`` / ``unavailable_reason()``;
 - csrc/qmatmul.c, quantized matmuls (kernels/quant.py): ``quant_lib()`` / ``quant_unavailable_reason()``;
 - csrc/cpu_ops.c, the per-layer small ops (kernels/cpu_ops.py): ``ops_lib()`` / ``ops_unavailable_reason()``;

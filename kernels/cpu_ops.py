@@ -129,7 +129,15 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``torch_ops.paged_attention`` (the compiled decode kernel honours the
-    window and the soft-cap too)."""
+    window and the soft-cap too).
+
+    Every query row runs through the decode kernel, prefill and extend rows included: the row at
+    position p of a request is a decode query over keys [0, p] (its K/V are written before
+    attention), so a row's arithmetic is the kernel's fixed per-row order whether it came in a
+    decode step, a prompt, a chunk of one, a batch of other requests or a recompute after
+    preemption or failover. The twin's padded SDPA groups a prompt with others and its rounding
+    moved with their lengths (and prefill rows would round otherwise than decoding the same
+    tokens)."""
     if not cpu_native.supports(q, k_cache):
         return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale,
                                          sliding_window=sliding_window, softcap=softcap)
@@ -138,8 +146,20 @@ def paged_attention(
         return cpu_native.paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, scale,
                                        sliding_window=sliding_window, softcap=softcap)
 
-    return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, decode=decode,
-                                     sliding_window=sliding_window, softcap=softcap)
+    t = q.shape[0]
+    nreq = meta.query_start_loc.shape[0] - 1
+    if meta.max_query_len <= 1 and t == nreq:  # every request decodes: one row each, in order
+        return decode(q, meta.block_tables, meta.seq_lens).to(q.dtype)
+    out = torch.zeros_like(q)  # rows past query_start_loc[-1] (padding) stay zeros
+    if t == 0 or nreq <= 0:
+        return out
+    qsl = meta.query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    real = int(qsl[-1])
+    req = torch.repeat_interleave(torch.arange(nreq, device=q.device), q_lens)
+    pos = meta.seq_lens.long()[req] - q_lens[req] + torch.arange(real, device=q.device) - qsl[req]
+    out[:real] = decode(q[:real], meta.block_tables[req], (pos + 1).to(torch.int32)).to(q.dtype)
+    return out
 
 
 from zeroserve.kernels.moe import fused_moe  # noqa: E402,F401 (per active expert: torch GEMMs)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts ops: top-k routing, the torch twin of the fused MoE, and the Triton launch.
+"""Mixture-of-experts ops: top-k routing, the torch twin of the fused MoE, the Triton tile layout.
 
     weights, ids = route(router_logits, top_k, renormalize)          # [T, k] fp32, [T, k] int64
     out = fused_moe(x, w13, w2, weights, ids, expert_start=0)        # [T, H]
@@ -13,7 +13,7 @@ Both implementations do work only for the experts some token chose, so a step's 
 the experts a batch uses, not with how many the model has:
 - `fused_moe` (the twin; CPU): tokens sorted by expert, then one [n_e, H] x [H, 2I] and one
   [n_e, I] x [I, H] matmul per *active* expert (index_select in, index_add out);
-- `fused_moe_triton` (GPU): vLLM's fused_moe scheme. `align_block_size` lays the sorted
+- the Triton launch (GPU; triton_ops.fused_moe, which imports this module): vLLM's fused_moe scheme. `align_block_size` lays the sorted
   (token, slot) pairs out in BLOCK_M-row tiles that each belong to one expert (padded with a
   sentinel), entirely on the device (no host sync, a fixed grid); one grouped-GEMM launch
   computes every tile's gate/up rows, a second the down projection scaled by the routing
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["align_block_size", "expert_groups", "fused_moe", "fused_moe_triton", "route", "single_token_routes"]
+__all__ = ["align_block_size", "expert_groups", "fused_moe", "route", "single_token_routes"]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,39 +111,3 @@ def align_block_size(ids: torch.Tensor, num_local: int, block_m: int, expert_sta
     tile_expert = torch.searchsorted(pad_end, tile_starts, right=True)
     tile_expert = torch.where(tile_expert < num_local, tile_expert, torch.full_like(tile_expert, -1))
     return sorted_slots, tile_expert.to(torch.int32)
-
-
-def _grouped_gemm(a, w, out, sorted_slots, tile_expert, weights, top_k, mul_weight, block_m):
-    """out[slot] = (a[slot // top_k] @ w[e].T) (* weights[slot]) for every slot of every tile."""
-    from zeroserve.kernels import _triton_moe as K
-
-    n_out, kdim = w.shape[1], w.shape[2]
-    block_n = 64 if n_out >= 64 else 32 if n_out >= 32 else 16
-    block_k = 64 if kdim >= 64 else 32 if kdim >= 32 else 16
-    grid = (tile_expert.numel(), -(-n_out // block_n))
-    K.fused_moe_kernel[grid](
-        a, w, out, sorted_slots, tile_expert, weights,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        n_out, kdim, top_k, out.shape[0],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MUL_WEIGHT=mul_weight,
-        IEEE=a.dtype == torch.float32, UPCAST=a.dtype == torch.bfloat16 and a.device.type == "cpu",
-    )
-
-
-def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, expert_start: int = 0, block_m: int = 16) -> torch.Tensor:
-    """fused_moe on the GPU (or under TRITON_INTERPRET=1): two grouped-GEMM launches."""
-    from zeroserve.kernels import triton_ops
-
-    t, h = x.shape
-    k = ids.shape[1]
-    x = x.contiguous()
-    sorted_slots, tile_expert = align_block_size(ids, w13.shape[0], block_m, expert_start)
-    flat_w = weights.reshape(-1).float().contiguous()
-    # slots routed to another shard's experts are never written: zeros, so they add nothing
-    inter = torch.zeros((t * k, w13.shape[1]), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, inter, sorted_slots, tile_expert, flat_w, k, False, block_m)
-    act = triton_ops.silu_and_mul(inter)
-    down = torch.zeros((t * k, h), dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, sorted_slots, tile_expert, flat_w, 1, True, block_m)
-    return down.view(t, k, h).sum(dim=1)

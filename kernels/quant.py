@@ -14,7 +14,13 @@ q4_k     GGUF Q4_K super-blocks of 256 (d, dmin, 12 B of 6-bit   (d*sc)*q - dmin
 int8     int8 q[K] + fp32 scale per group (symmetric)            s*q                 1 + 4/g
 int4     nibbles (packed like q4_1 per 32) + fp32 scale and min  s*q + m             0.5 + 8/g
          per group (asymmetric)
+f32      a plain fp32 weight, its bytes (``from_float``: a view)  w                   4
+bf16     a plain weight held in bf16                             w                   2
 =======  =====================================================  ==================  ==========
+
+Why plain formats: every CPU linear goes through the compiled kernel, whose per-row arithmetic
+does not depend on the batch (torch's fp32 GEMM gives row 0 of a 1-row call other bits than of
+a 4-row one), so a float model is batch-invariant as a quantized one is.
 
 In a 32-element block of q4_0/q4_1/int4, element i < 16 is the low nibble of byte i and
 element 16 + i its high nibble (llama.cpp's order). GGUF formats are read byte for byte as
@@ -24,12 +30,11 @@ group may be shorter).
 
 Numerics: ``linear`` runs kernels/csrc/qmatmul.c when it is built (x, accumulation and the
 output fp32) and the twin ``F.linear(x, dequantize())`` otherwise. ``dequantize()`` gives the
-exact values of the format (equal to gguf.quants.dequantize). The kernel computes, per 32
-weights, ``d * (x . q) + m * sum(x)`` with the integer codes q, accumulated over K in a fixed
-vector-lane order; the twin rounds ``d*q + m`` per weight and lets BLAS choose the order. So the
-two agree to fp32 rounding (|diff| ~ 1e-6 of sum|x*w| for K ~ 1e3; Q8_0/Q4_1/int8 included),
-not bit for bit. The kernel's result for a row of x does not depend on T, the other rows, the
-thread count or a row slice (``rows``); it does depend on the build (AVX-512 vs AVX2 vs portable).
+exact values of the format (equal to gguf.quants.dequantize). The kernel multiplies those exact
+values and sums them over K in a fixed vector-lane order; the twin lets BLAS choose the order.
+So the two agree to fp32 rounding (|diff| ~ 1e-6 of sum|x*w| for K ~ 1e3), not bit for bit. The
+kernel's result for a row of x does not depend on T, the other rows, the thread count or a row
+slice (``rows``), at any T; it does depend on the build (AVX-512 vs AVX2 vs portable).
 """
 
 from __future__ import annotations
@@ -52,15 +57,10 @@ _FORMATS = {
     "q4_k": (3, 256, 144),
     "int8": (4, 32, 32),
     "int4": (5, 32, 16),
+    "f32": (6, 32, 128),
+    "bf16": (7, 32, 64),
 }
 FORMATS = tuple(_FORMATS)
-# rows of x from which QuantizedWeight.linear dequantizes the whole weight and multiplies it with
-# torch's float GEMM (MKL) instead of the C kernel (whose own dequantized-panel GEMM runs from
-# 16 rows): side by side on 2 AVX2 cores (SmolLM2's layer shapes, Q4_1) the two were even at
-# 128 rows (44.8 vs 46.2 GMAC/s) and MKL ahead from there (512: 56.1 vs 42.3, 2048: 58.5 vs
-# 45.1); the two round differently, so a request's numerics depend on whether its step had
-# this many rows
-FLOAT_MATMUL_MIN_ROWS = 64
 # GGMLQuantizationType values (ggml.h) of the GGUF types we read
 GGML_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k"}
 _GGML_NAMES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
@@ -126,6 +126,16 @@ class QuantizedWeight:
         if data.numel() != n * row:
             raise ValueError(f"{fmt} [{n}, {k}] needs {n * row} bytes, got {data.numel()}")
         return cls(fmt, (n, k), data.reshape(n, row), group_size=block)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, fmt: str = "f32") -> "QuantizedWeight":
+        """A plain float weight [N, K] (K a multiple of 32) as "f32" (its own bytes when it is a
+        contiguous fp32 CPU tensor: no copy, so it must outlive this object and not change) or
+        "bf16" (a rounded copy)."""
+        if fmt not in ("f32", "bf16") or w.dim() != 2:
+            raise ValueError(f"from_float takes a 2-D weight and 'f32' or 'bf16', got {tuple(w.shape)} {fmt!r}")
+        t = w.detach().to(torch.float32 if fmt == "f32" else torch.bfloat16).contiguous()
+        return cls(fmt, tuple(t.shape), t.view(torch.uint8))
 
     # --- geometry -----------------------------------------------------------------------------
 
@@ -221,6 +231,8 @@ class QuantizedWeight:
         """The weight as float [N, K] in torch ops: the reference for the compiled kernels."""
         n, k = self.shape
         fmt, d = self.format, self.data
+        if fmt in ("f32", "bf16"):
+            return d.contiguous().view(torch.float32 if fmt == "f32" else torch.bfloat16).to(dtype)
         if fmt in ("int8", "int4"):
             if fmt == "int8":
                 q = d.contiguous().view(torch.int8).float()
@@ -254,10 +266,6 @@ class QuantizedWeight:
         lib = cpu_native.quant_lib() if x.is_cpu else None
         if lib is None:
             return F.linear(x, self.dequantize(x.dtype).to(x.device), bias)
-        if x.numel() >= FLOAT_MATMUL_MIN_ROWS * self.shape[1]:
-            # many rows (prefill): MKL on the dequantized weight (see FLOAT_MATMUL_MIN_ROWS);
-            # unpacking once is cheap next to it
-            return F.linear(x, self.dequantize(x.dtype), bias)
         return self._on_kernel(lib, x, bias, bf16=False)
 
     def linear_bf16(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

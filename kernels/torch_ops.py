@@ -1,4 +1,7 @@
-"""Torch twins of the Triton kernels: the CPU production path and the test reference.
+"""Torch twins of the kernels: the reference every kernel is tested against, and the fallback
+where a compiled kernel does not apply. CPUs run kernels/cpu_ops.py (the C kernels of
+kernels/csrc, these twins for the rest), GPUs kernels/triton_ops.py; `--attention-backend torch`
+runs the twins alone.
 
 Signatures are the contract in docs/architecture.md. Everything is vectorized (no per-token
 Python loops); numerics follow HF transformers' Llama modules (fp32 inside, cast back).

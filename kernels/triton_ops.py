@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 
 from zeroserve.kernels.metadata import AttentionMetadata
+from zeroserve.kernels.moe import align_block_size
 
 __all__ = [
     "fused_add_rms_norm",
@@ -327,4 +328,38 @@ def paged_attention_impl(
     return out
 
 
-from zeroserve.kernels.moe import fused_moe_triton as fused_moe  # noqa: E402,F401 (grouped GEMM: kernels/moe.py)
+# ---- mixture of experts: vLLM's fused_moe scheme (routing and the tile layout: kernels/moe.py)
+
+def _grouped_gemm(a, w, out, sorted_slots, tile_expert, weights, top_k, mul_weight, block_m):
+    """out[slot] = (a[slot // top_k] @ w[e].T) (* weights[slot]) for every slot of every tile."""
+    from zeroserve.kernels import _triton_moe as K
+
+    n_out, kdim = w.shape[1], w.shape[2]
+    block_n = 64 if n_out >= 64 else 32 if n_out >= 32 else 16
+    block_k = 64 if kdim >= 64 else 32 if kdim >= 32 else 16
+    grid = (tile_expert.numel(), -(-n_out // block_n))
+    K.fused_moe_kernel[grid](
+        a, w, out, sorted_slots, tile_expert, weights,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        n_out, kdim, top_k, out.shape[0],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MUL_WEIGHT=mul_weight,
+        IEEE=a.dtype == torch.float32, UPCAST=a.dtype == torch.bfloat16 and a.device.type == "cpu",
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, expert_start: int = 0, block_m: int = 16) -> torch.Tensor:
+    """kernels/moe.py's fused_moe on the GPU (or under TRITON_INTERPRET=1): two grouped-GEMM launches
+    over the tiles moe.align_block_size lays out."""
+    t, h = x.shape
+    k = ids.shape[1]
+    x = x.contiguous()
+    sorted_slots, tile_expert = align_block_size(ids, w13.shape[0], block_m, expert_start)
+    flat_w = weights.reshape(-1).float().contiguous()
+    # slots routed to another shard's experts are never written: zeros, so they add nothing
+    inter = torch.zeros((t * k, w13.shape[1]), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, inter, sorted_slots, tile_expert, flat_w, k, False, block_m)
+    act = silu_and_mul(inter)
+    down = torch.zeros((t * k, h), dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, down, sorted_slots, tile_expert, flat_w, 1, True, block_m)
+    return down.view(t, k, h).sum(dim=1)

@@ -148,6 +148,8 @@ def _status(args) -> int:
               f"{ms(m.get('ttft_mean_s'))} ITL {ms(m.get('itl_mean_s'))} E2E {ms(m.get('e2e_mean_s'))} queue "
               f"{ms(m.get('queue_mean_s'))}  prefix hits {'-' if hit is None else f'{hit:.0%}'}  preemptions "
               f"{m.get('preemptions', 0)}  requeued {m.get('requeued', 0)}")
+    for model, mode in (s.get("numeric_modes") or {}).items():
+        print(f"model {model}: numeric mode {mode}")
     for g in s.get("groups", []):
         print(f"group {g['name']} [{g['state']}] model {g['model']} tp {g['tp_size']} pp {g.get('pp_size', 1)}  "
               f"running {g.get('running', 0)}  "
@@ -156,6 +158,8 @@ def _status(args) -> int:
             stage = f" stage {w['stage']}" if g.get("pp_size", 1) > 1 else ""
             print(f"  worker {w['worker_id']} rank {w['rank']}{stage} pid {w['pid']} host {w['host']} device {w['device']} "
                   f"steps {w.get('w_steps', 0)} step_ms {w.get('w_step_ms', 0)}")
+    for r in s.get("refused") or []:
+        print(f"refused {r.get('worker_id') or '(unnamed peer)'}: {r.get('reason')}")
     return 0
 
 
@@ -314,7 +318,10 @@ def _run(args) -> int:
         args.model = args.model or [str(default_model_dir())]  # --model, else $ZEROSERVE_MODEL, else built in
         return sched_main(args)
     if args.cmd == "worker":
+        from zeroserve.services.tiny_model import default_model_dir
         from zeroserve.services.worker.threads import configure
+
+        args.model = args.model or str(default_model_dir())
 
         configure(args.threads)  # before torch loads: OpenMP reads its environment once
         from zeroserve.services.worker.service import main as worker_main
@@ -326,6 +333,9 @@ def _run(args) -> int:
         return gateway_main(args)
     if args.cmd == "detokenizer":
         from zeroserve.services.detokenizer.service import main as detok_main
+        from zeroserve.services.tiny_model import default_model_dir
+
+        args.model = args.model or [str(default_model_dir())]
 
         return detok_main(args)
     if args.cmd == "status":

@@ -13,6 +13,3 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-# fp32-exact outputs for the suite on CPUs with native bf16: `--matmul-dtype auto` stays fp32
-# (tests/test_bf16*.py ask for bf16 explicitly)
-os.environ["ZEROSERVE_CPU_BF16"] = "0"

@@ -61,6 +61,7 @@ class FakeWorker:
         self.reqs: dict[str, list] = {}  # req_id -> [tokens, computed]
         self.seen_new: list[P.NewRequest] = []
         self.finished: list[str] = []
+        self.pooling: dict[str, str | None] = {}  # embedding requests: pooled instead of sampled
 
     def run(self, step: P.Step) -> P.StepResult:
         for rid in step.finished_req_ids:
@@ -69,18 +70,29 @@ class FakeWorker:
         for n in step.new_reqs:
             self.seen_new.append(n)
             self.reqs[n.req_id] = [n.token_ids.tolist(), n.num_computed_tokens]
-        ids, sampled = [], []
+            self.pooling[n.req_id] = n.pooling
+        ids, sampled, embeds = [], [], {}
         for rid, k in step.num_scheduled().items():
             st = self.reqs[rid]
             st[1] += k
             tok = -1
-            if st[1] == len(st[0]):
+            if st[1] == len(st[0]) and self.pooling.get(rid):
+                embeds[rid] = fake_embedding(st[0], self.pooling[rid])
+            elif st[1] == len(st[0]):
                 tok = next_token(st[0])
                 st[0].append(tok)
             ids.append(rid)
             sampled.append(tok)
-        return P.StepResult(seq=step.seq, worker_id=self.worker_id, req_ids=ids,
-                            sampled_token_ids=np.asarray(sampled, np.int32))
+        out = P.StepResult(seq=step.seq, worker_id=self.worker_id, req_ids=ids,
+                           sampled_token_ids=np.asarray(sampled, np.int32))
+        if embeds:
+            out.embed_req_ids, out.embeddings = list(embeds), np.stack(list(embeds.values()))
+        return out
+
+
+def fake_embedding(tokens: list[int], pooling: str) -> np.ndarray:
+    """What the fake worker pools: the last token (or the mean of all) in every one of 64 components."""
+    return np.full(64, tokens[-1] if pooling == "last" else float(np.mean(tokens)), np.float32)
 
 
 class FakeDetok:
@@ -100,7 +112,7 @@ class FakeDetok:
             return None
         if not isinstance(m, P.DetokTokens):
             return None
-        deltas, stops = [], []
+        deltas, stops, kept = [], [], []
         for rid, toks in zip(m.req_ids, m.per_request()):
             self.tokens[rid] += toks.tolist()
             limit = self.stop_after.get(rid)
@@ -108,10 +120,13 @@ class FakeDetok:
                 keep = len(toks) - (len(self.tokens[rid]) - limit)
                 deltas.append(text_of(toks[:keep]))
                 stops.append("STOP")
+                kept.append(keep)
             else:
                 deltas.append(text_of(toks))
                 stops.append(None)
-        return P.DetokOutputs(seq=m.seq, req_ids=list(m.req_ids), text_deltas=deltas, stop_strs=stops)
+                kept.append(-1)
+        return P.DetokOutputs(seq=m.seq, req_ids=list(m.req_ids), text_deltas=deltas, stop_strs=stops,
+                              stop_tokens=kept)
 
 
 class Net:

@@ -1,10 +1,11 @@
-"""bf16 weight panels (kernels/bf16.py), `--matmul-dtype` (services/worker/matmul_probe.py) and
-`--kv-cache-dtype` (services/worker/dtype.py).
+"""The numeric modes (services/worker/numerics.py: float32, bfloat16), `--dtype` / `--matmul-dtype`
+(services/worker/dtype.py) and `--kv-cache-dtype`.
 
-Numerics are checked on any CPU (torch emulates bf16 where the CPU lacks it): the panel GEMM
-against its fp32 spelling, a packed weight's panel against its exact values, a bf16 KV cache
-against an fp32 cache holding the same rounded values. The auto decision is tested with
-injected timings and CPU flags. On the real SmolLM2 the greedy agreement with fp32 is reported.
+Checked on any CPU (the bf16 regime runs on every machine: natively where the CPU has AVX-512
+BF16, else as the same rounded values through the fp32 kernel): the decision is a rule on the
+arguments that never looks at timings or the CPU's bf16; every linear goes through the kernel in
+the mode's arithmetic at any row count; a request gives the same tokens and the same logprob
+bits alone, inside a batch of 16 and after a preemption, greedy and seeded, in both modes.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import pytest
 import torch
 
 from zeroserve.common.errors import ModelLoadError
-from zeroserve.kernels import bf16, cpu_native
-from zeroserve.kernels import torch_ops
-from zeroserve.kernels.quant import quantize_int4
-from zeroserve.services.worker import matmul_probe
+from zeroserve.kernels import cpu_native, quant, torch_ops
+from zeroserve.services.worker import numerics
 from zeroserve.services.worker.dtype import resolve_kv_dtype
-from zeroserve.services.worker.model.layers import ColumnParallelLinear, TPInfo
+from zeroserve.services.worker.model.layers import ColumnParallelLinear, TPInfo, VocabParallelEmbedding
+from tests.helpers import random_prompt
 from tests.hf_reference import model_dir
 from tests.test_quant_model import REAL, needs_real
 from zeroserve import LLM, SamplingParams
+
+needs_kernels = pytest.mark.skipif(cpu_native.quant_lib() is None, reason="compiled kernels unavailable")
 
 
 @pytest.fixture(autouse=True)
@@ -34,45 +36,123 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
-# --------------------------------------------------------------------------- numerics
-@pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
-def test_panel_linear_matches_fp32_spelling(rows):
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=g)
-    w = torch.randn(320, 576, generator=g).to(torch.bfloat16)
-    bias = torch.randn(320, generator=g)
-    ref = bf16.linear_twin(x, w, bias)
-    # the ulp of the rounded sum, before the fp32 bias moves it (a bias that cancels part of the
-    # sum would shrink an ulp taken from ref below the rounding step)
-    ulp = bf16.linear_twin(x, w).abs().clamp_min(1e-3) * 2.0 ** -7
-    for panel in (bf16.pack(w), w):  # oneDNN's prepacked layout, and the plain fallback
-        y = bf16.linear(x, panel, bias)
-        assert y.dtype == torch.float32 and y.shape == (rows, 320)
-        # both round an fp32 sum to bf16; only the summation order differs: at most one bf16
-        # ulp of the output apart
-        assert ((y - ref).abs() <= ulp + 1e-4).all()
-    exact = torch.nn.functional.linear(x, w.float(), bias)
-    assert torch.allclose(y, exact, rtol=0, atol=float(exact.abs().max()) * 2e-2)  # bf16 x rounding
+# --------------------------------------------------------------------------- the decision
+@pytest.mark.parametrize("native", [True, False])
+def test_matmul_choice_is_a_rule_on_the_arguments(monkeypatch, native):
+    """The same answer with and without native bf16 (nothing is timed or read from the CPU)."""
+    monkeypatch.setattr(cpu_native, "native_bf16", lambda: native)
+    c = numerics.matmul_choice
+    assert c("auto", "auto")[0] == "float32" and "exact" in c("auto", "auto")[1]
+    assert c(None, "float32")[0] == "float32"
+    for d in ("bfloat16", "bf16", torch.bfloat16):
+        assert c("auto", d)[0] == "bfloat16"
+    assert c("float32", "bfloat16")[0] == "float32"  # the explicit matmul choice wins
+    assert c("bfloat16", "auto") == ("bfloat16", "--matmul-dtype bfloat16")
+    with pytest.raises(ModelLoadError, match="matmul_dtype"):
+        c("int8", "auto")
 
 
-def test_layer_uses_panel_from_min_rows_and_exact_path_below():
-    lin = ColumnParallelLinear(256, [128], TPInfo(), bias=False, device="cpu", dtype=torch.float32)
-    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(1))
-    qw = quantize_int4(w, 32)
-    lin.set_quantized(qw)
-    model = torch.nn.Sequential(lin)
-    assert bf16.attach(model, 8) == 128 * 256 * 2
-    assert torch.equal(bf16.dense(lin.bf16_weight), qw.dequantize().to(torch.bfloat16))  # the exact values, rounded
-    x = torch.randn(bf16.PANEL_MIN_ROWS, 256, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(lin(x[:7]), qw.linear(x[:7]))  # below min_rows: the packed path untouched
-    # decode-sized steps: the bf16 regime on the packed bytes; from PANEL_MIN_ROWS: the panel
-    assert torch.equal(lin(x[:16]), qw.linear_bf16(x[:16]))
-    assert torch.equal(lin(x), bf16.linear(x, lin.bf16_weight))
-    assert bf16.min_rows(model) == 8
-    bf16.detach(model)
-    assert bf16.min_rows(model) is None and torch.equal(lin(x), qw.linear(x))
-    with pytest.raises(ValueError):
-        bf16.attach(model, 0)
+def test_mode_names_tell_every_arithmetic_apart():
+    lib = types.SimpleNamespace(isa="avx512", bf16_native=True)
+    emu = types.SimpleNamespace(isa="avx512", bf16_native=False)
+    names = {numerics.mode_name("float32", lib, torch.float32, None),
+             numerics.mode_name("float32", types.SimpleNamespace(isa="avx2", bf16_native=False), torch.float32, None),
+             numerics.mode_name("bfloat16", lib, torch.float32, None),
+             numerics.mode_name("bfloat16", emu, torch.float32, None),
+             numerics.mode_name("bfloat16", lib, torch.bfloat16, None),
+             numerics.mode_name("bfloat16", lib, torch.float32, "int4"),
+             numerics.mode_name("float32", None, torch.float32, None),
+             numerics.mode_name("float32", lib, torch.float32, None, on_torch=2)}
+    assert len(names) == 8
+    assert numerics.mode_name("float32", lib, torch.float32, None) == "float32/cpu-avx512/kv-float32/weights-auto"
+    # fp32 does not depend on the bf16 path
+    assert numerics.mode_name("float32", emu, torch.float32, None) == numerics.mode_name("float32", lib, torch.float32,
+                                                                                      None)
+
+
+# --------------------------------------------------------------------------- the layers
+@needs_kernels
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_linear_runs_on_the_kernel_at_any_row_count(bf16):
+    lin = ColumnParallelLinear(256, [96], TPInfo(), bias=True, device="cpu", dtype=torch.float32)
+    emb = VocabParallelEmbedding(64, 256, TPInfo(), device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    for p in (lin.weight, lin.bias, emb.weight):
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    model = torch.nn.ModuleList([lin, emb])
+    assert numerics.apply(model, bf16) == 0
+    assert lin.kernel_weight.data.data_ptr() == lin.weight.data_ptr()  # a view, not a copy
+    x = torch.randn(70, 256, generator=g)
+    y = lin(x)
+    w = quant.QuantizedWeight.from_float(lin.weight)
+    assert torch.equal(y, w.linear_bf16(x, lin.bias) if bf16 else w.linear(x, lin.bias))
+    for rows in (slice(0, 1), slice(5, 8), slice(3, 19), slice(40, 70)):  # batch-invariant rows
+        assert torch.equal(lin(x[rows]), y[rows]), rows
+    twin = w.linear_bf16_twin(x, lin.bias) if bf16 else torch.nn.functional.linear(x, lin.weight, lin.bias)
+    assert torch.allclose(y, twin, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_bf16_dtype_holds_the_linears_in_bf16_with_the_same_bits():
+    """--dtype bfloat16 keeps the float linears' weights in bf16 (half the bytes): the regime
+    rounds them to bf16 anyway, so the result equals --matmul-dtype bfloat16's bit for bit."""
+    lins = [ColumnParallelLinear(128, [64], TPInfo(), bias=False, device="cpu", dtype=torch.float32) for _ in range(2)]
+    emb = VocabParallelEmbedding(64, 128, TPInfo(), device="cpu", dtype=torch.float32)
+    for m in (*lins, emb):
+        m.weight.data.copy_(torch.randn(m.weight.shape, generator=torch.Generator().manual_seed(2)))
+    numerics.apply(torch.nn.ModuleList([lins[0]]), bf16=True)
+    numerics.apply(torch.nn.ModuleList([lins[1], emb]), bf16=True, hold_bf16=True)
+    assert lins[1].qweight.format == "bf16" and "weight" not in lins[1]._parameters
+    assert emb.qweight is None and emb.weight.dtype == torch.float32  # lookups stay exact
+    x = torch.randn(9, 128)
+    assert torch.equal(lins[0](x), lins[1](x))
+
+
+def test_without_kernels_the_linears_stay_on_torch_and_the_mode_says_so():
+    lin = ColumnParallelLinear(96, [32], TPInfo(), bias=False, device="cpu", dtype=torch.float32)
+    assert numerics.apply(torch.nn.ModuleList([lin]), False, kernels=False) == 1 and lin.kernel_weight is None
+    odd = ColumnParallelLinear(40, [32], TPInfo(), bias=False, device="cpu", dtype=torch.float32)  # K % 32 != 0
+    assert numerics.apply(torch.nn.ModuleList([odd]), False) == 1
+
+
+
+# --------------------------------------------------------------------------- engines
+def _llm(matmul_dtype: str, arch: str = "llama", **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 1024)
+    return LLM(str(model_dir(arch)), matmul_dtype=matmul_dtype, **kw)
+
+
+def _runner(matmul_dtype: str, **kw):
+    llm = _llm(matmul_dtype, **kw)
+    return llm, llm.engine.runner
+
+
+@needs_kernels
+def test_runner_reports_its_mode():
+    _, r = _runner("auto")
+    assert r.matmul_dtype == "float32" and r.numeric_mode.startswith("float32/cpu-")
+    _, r = _runner("bfloat16")
+    assert r.matmul_dtype == "bfloat16" and r.numeric_mode.startswith("bfloat16/cpu-")
+    assert r.numeric_mode.split("/")[1].endswith("-vdpbf16ps" if cpu_native.quant_lib().bf16_native else "-emulated")
+    held, r = _runner("auto", dtype="bfloat16")
+    assert r.dtype is torch.float32 and r.matmul_dtype == "bfloat16"
+    assert r.model.layers[0].mlp.gate_up_proj.qweight.format == "bf16"  # the linears held in bf16
+    rounded, r2 = _runner("bfloat16")
+    assert r.numeric_mode == r2.numeric_mode and r.param_bytes() < r2.param_bytes()
+    # one mode, one arithmetic: the same tokens and logprob bits
+    assert _result(held.generate(TARGET, _params(True))[0]) == _result(rounded.generate(TARGET, _params(True))[0])
+
+
+def test_kv_cache_dtype():
+    assert resolve_kv_dtype("auto", torch.float32) is torch.float32
+    assert resolve_kv_dtype(None, torch.bfloat16) is torch.bfloat16
+    assert resolve_kv_dtype("bf16", torch.float32) is torch.bfloat16
+    with pytest.raises(ModelLoadError, match="kv_cache_dtype"):
+        resolve_kv_dtype("int8", torch.float32)
+    _, r32 = _runner("float32", num_kv_blocks=8)
+    _, r16 = _runner("float32", num_kv_blocks=8, kv_cache_dtype="bfloat16")
+    assert r16.kv_caches[0][0].dtype is torch.bfloat16
+    assert r16.kv_bytes_per_block() * 2 == r32.kv_bytes_per_block()
 
 
 def test_bf16_kv_cache_reads_as_its_rounded_fp32_values():
@@ -96,124 +176,72 @@ def test_bf16_kv_cache_reads_as_its_rounded_fp32_values():
     assert torch.allclose(out[torch.bfloat16], out[torch.float32], atol=1e-6)
 
 
-# --------------------------------------------------------------------------- decisions
-def test_choose_min_rows():
-    c = matmul_probe.choose_min_rows
-    assert c({}) is None
-    assert c({1: (1.0, 2.0), 8: (1.0, 0.5), 256: (10.0, 5.0)}) == 8
-    assert c({1: (1.0, 0.5), 8: (1.0, 0.5), 256: (10.0, 5.0)}) == 1
-    assert c({1: (1.0, 0.5), 8: (1.0, 1.2), 256: (10.0, 5.0)}) == 256  # a loss at 8 rules out 1 too
-    assert c({1: (1.0, 0.5), 256: (10.0, 11.0)}) is None  # losing the prefill chunk: never
-    assert c({8: (1.0, 0.97)}) is None  # within the noise margin is no win
-    assert c({8: (1.0, 0.97)}, win=1.0) == 8
+
+V = 512
+TARGET = random_prompt(30, V, seed=605)
 
 
-def test_probe_shapes_fit_the_cache():
-    full = matmul_probe.probe_shapes(16, 10_000)
-    assert [s.rows for s in full] == [1, 4, 8, 16, 32, 256]
-    assert [s.rows for s in matmul_probe.probe_shapes(16, 160)] == [1, 4, 8, 16, 256]  # 9 blocks per request
-    assert [s.rows for s in matmul_probe.probe_shapes(16, 20)] == [1, 256]
-    assert matmul_probe.probe_shapes(16, 1) == []
+def _params(seeded: bool, n: int = 16) -> SamplingParams:
+    if seeded:
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=n, ignore_eos=True, logprobs=0)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
 
 
-def _runner(matmul_dtype: str, **kw):
-    llm = LLM(str(model_dir("llama")), matmul_dtype=matmul_dtype, **kw)
-    return llm, llm.engine.runner
+def _others(n: int, max_len: int = 60):
+    import random
+
+    rng = random.Random(7)
+    prompts = [random_prompt(rng.randint(1, max_len), V, seed=700 + i) for i in range(n)]
+    params = [SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=rng.randint(0, 99), max_tokens=rng.randint(16, 40),
+                             ignore_eos=True) for _ in range(n)]
+    return prompts, params
 
 
-def test_matmul_dtype_explicit_and_bad():
-    _, r = _runner("float32")
-    assert r.matmul_dtype == "float32" and bf16.min_rows(r.model) is None
-    _, r = _runner("bfloat16")
-    assert r.matmul_dtype == f"bfloat16 from {bf16.DEFAULT_MIN_ROWS} rows"
-    assert bf16.min_rows(r.model) == bf16.DEFAULT_MIN_ROWS
-    r.args.matmul_dtype = "int8"
-    with pytest.raises(ModelLoadError, match="matmul_dtype"):
-        matmul_probe.configure(r)
+def _result(out):
+    c = out.outputs[0]
+    return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
 
 
-def test_auto_stays_fp32_when_switched_off_or_no_native_bf16(monkeypatch):
-    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "0")
-    _, r = _runner("auto")
-    assert r.matmul_dtype == "float32" and bf16.min_rows(r.model) is None
-    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "1")
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: {"avx2", "fma"})
-    r.args.matmul_dtype = "auto"
-    assert matmul_probe.configure(r) == "float32" and bf16.min_rows(r.model) is None
+@needs_kernels
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_alone_in_a_batch_of_16_and_preempted_give_the_same_bits(mode, seeded):
+    """Tokens and the sampled tokens' logprobs (the logits' bits, not only their argmax)."""
+    ref = _result(_llm(mode).generate(TARGET, _params(seeded))[0])
+    assert len(ref[0]) == 16
+    others, params = _others(15)
+    outs = _llm(mode).generate(others[:7] + [TARGET] + others[7:], params[:7] + [_params(seeded)] + params[7:])
+    assert _result(outs[7]) == ref
+    # 12 blocks for 16 requests: preemption by recompute, the target (admitted last) among them
+    llm = _llm(mode, num_kv_blocks=12, enable_prefix_caching=False)
+    sched, victims = llm.engine.scheduler, []
+    real = sched._preempt
+    sched._preempt = lambda req, out: (victims.append(req.req_id), real(req, out))[1]
+    outs = llm.generate(others + [TARGET], params + [_params(seeded)])
+    assert sched.num_preemptions > 0 and outs[-1].request_id + "#0" in victims, victims
+    assert _result(outs[-1]) == ref
 
 
-def test_auto_stays_fp32_with_speculative_decoding(monkeypatch):
-    """A verify step has more rows than the decode it stands for: with bf16 from a row count the
-    same token would be computed in bf16 with speculation and in fp32 without, and greedy output
-    would differ (benchmarks/spec_decode.py saw it on SmolLM2). So auto keeps fp32 there."""
-    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "1")
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    monkeypatch.setattr(matmul_probe, "measure", lambda runner: ({1: (1.0, 2.0), 8: (1.0, 0.5), 256: (9.0, 3.0)},
-                                                                 {"x_ms": 1.0}))
-    _, r = _runner("float32")
-    r.args.matmul_dtype, r.args.speculative_method = "auto", "ngram"
-    assert matmul_probe.configure(r) == "float32" and bf16.min_rows(r.model) is None
-    r.args.speculative_method = "none"  # the same runner without speculation takes the measured bf16
-    assert matmul_probe.configure(r) == "bfloat16 from 8 rows"
-
-
-@pytest.mark.parametrize("timings,want", [({1: (1.0, 2.0), 8: (1.0, 0.5), 256: (9.0, 3.0)}, 8),
-                                          ({1: (1.0, 2.0), 256: (9.0, 9.5)}, None)])
-def test_auto_applies_the_measured_decision(monkeypatch, timings, want):
-    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "1")
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    monkeypatch.setattr(matmul_probe, "measure", lambda runner: (timings, {"x_ms": 1.0}))
-    _, r = _runner("float32")
-    r.args.matmul_dtype = "auto"
-    got = matmul_probe.configure(r)
-    assert bf16.min_rows(r.model) == want
-    assert got == ("float32" if want is None else f"bfloat16 from {want} rows")
-
-
-def test_auto_never_takes_one_row_for_packed_weights(monkeypatch):
-    """A probe slowed by contention once chose bf16 from 1 row on SmolLM2 Q4_1 (batch-1 decode
-    then ran 5x slower): for packed weights one row is not a candidate."""
-    monkeypatch.setenv("ZEROSERVE_CPU_BF16", "1")
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    monkeypatch.setattr(matmul_probe, "measure", lambda runner: ({1: (1.0, 0.5), 8: (1.0, 0.5), 256: (9.0, 3.0)},
-                                                                 {"x_ms": 1.0}))
-    _, r = _runner("float32")
-    r.args.matmul_dtype = "auto"
-    assert matmul_probe.configure(r) == "bfloat16 from 1 rows"  # fp32 weights: one row may win
-    monkeypatch.setattr(matmul_probe, "_packed", lambda model: True)
-    assert matmul_probe.configure(r) == "bfloat16 from 8 rows"
-
-
-def test_measure_times_every_shape_and_leaves_the_cache_clean():
-    _, r = _runner("bfloat16", num_kv_blocks=160)
-    timings, table = matmul_probe.measure(r, budget_s=0.0, min_reps=1)
-    assert sorted(timings) == [1, 4, 8, 16, 256]  # b32 needs 32 * 9 blocks: trimmed
-    assert all(a > 0 and b > 0 for a, b in timings.values()) and "prefill_256_bf16_ms" in table
-    assert all(not k.any() and not v.any() for k, v in r.kv_caches)
-    assert bf16.min_rows(r.model) == matmul_probe.NEVER
-
-
-def test_kv_cache_dtype():
-    assert resolve_kv_dtype("auto", torch.float32) is torch.float32
-    assert resolve_kv_dtype(None, torch.bfloat16) is torch.bfloat16
-    assert resolve_kv_dtype("bf16", torch.float32) is torch.bfloat16
-    with pytest.raises(ModelLoadError, match="kv_cache_dtype"):
-        resolve_kv_dtype("int8", torch.float32)
-    _, r32 = _runner("float32", num_kv_blocks=8)
-    _, r16 = _runner("float32", num_kv_blocks=8, kv_cache_dtype="bfloat16")
-    assert r16.kv_caches[0][0].dtype is torch.bfloat16
-    assert r16.kv_bytes_per_block() * 2 == r32.kv_bytes_per_block()
+@needs_kernels
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_moe_alone_and_in_a_batch_of_16_give_the_same_bits(mode):
+    """MoE: the router and the experts on the kernel too (a token's rows no longer depend on how
+    many other tokens chose its experts)."""
+    ref = _result(_llm(mode, "qwen3moe").generate(TARGET, _params(True))[0])
+    others, params = _others(15)
+    outs = _llm(mode, "qwen3moe").generate(others[:7] + [TARGET] + others[7:],
+                                          params[:7] + [_params(True)] + params[7:])
+    assert _result(outs[7]) == ref
 
 
 def test_tiny_model_bf16_end_to_end_close_to_fp32():
-    """Greedy on the tiny llama: bf16 panels + bf16 KV produce a full answer; its agreement with
-    fp32 is printed (not required identical: random tiny weights have near ties)."""
+    """Greedy on the tiny llama: the bf16 mode + bf16 KV produce a full answer; its agreement
+    with fp32 is printed (not required identical: random tiny weights have near ties)."""
     prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(10)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    ref = [o.outputs[0].token_ids for o in _runner("float32")[0].generate(reqs, sp)]
-    llm, _ = _runner("bfloat16", kv_cache_dtype="bfloat16")
-    got = [o.outputs[0].token_ids for o in llm.generate(reqs, sp)]
+    ref = [o.outputs[0].token_ids for o in _llm("float32").generate(reqs, sp)]
+    got = [o.outputs[0].token_ids for o in _llm("bfloat16", kv_cache_dtype="bfloat16").generate(reqs, sp)]
     assert all(len(g) == 12 for g in got)
     same = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y))
     print(f"tiny llama bf16 vs fp32 greedy tokens equal: {same}/{12 * len(prompts)}")
@@ -228,32 +256,9 @@ def test_smollm2_bf16_greedy_agreement_reported():
     out = {}
     for md in ("float32", "bfloat16"):
         llm = LLM(str(REAL), matmul_dtype=md)
-        bf16.set_min_rows(llm.engine.runner.model, 1)  # every step on the panels (the harshest case)
         out[md] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
         del llm
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
               for x, y in zip(out["float32"], out["bfloat16"])]
-    print(f"SmolLM2 Q4_1 bf16 panels vs fp32: identical greedy prefix per prompt {prefix} of {N_TOKENS}")
+    print(f"SmolLM2 Q4_1 bf16 mode vs fp32: identical greedy prefix per prompt {prefix} of {N_TOKENS}")
     assert sum(prefix) >= len(PROMPTS) * N_TOKENS // 4
-
-
-def test_compiled_decode_step_takes_bf16_batches_below_the_panels():
-    """The compiled decode step (cpu_step.py) runs decode batches in the bf16 regime itself (on
-    the packed bytes) up to the rows from which the layers' float GEMMs / panels take over."""
-    llm = LLM(str(model_dir("llama")), quantization="int4", matmul_dtype="float32", num_kv_blocks=160)
-    r = llm.engine.runner
-    step = r.model._cpu_step()
-    if step is None:
-        pytest.skip("compiled decode step unavailable here")
-
-    def applies(batch):
-        ids, pos, meta, _ = matmul_probe._step_inputs(matmul_probe.StepShape("d", batch, batch, 1, 16), r.block_size,
-                                                      r.model.cfg.vocab_size)
-        return step.applies(meta, r.model.embed_tokens(ids), r.kv_caches)
-
-    assert applies(4) and applies(8)
-    bf16.attach(r.model, 8)
-    assert applies(4) and applies(8) and applies(bf16.PANEL_MIN_ROWS - 1)
-    assert not applies(bf16.PANEL_MIN_ROWS)
-    bf16.detach(r.model)
-    assert applies(8)

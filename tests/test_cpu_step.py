@@ -15,8 +15,9 @@ import torch
 
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.kernels.dispatch import get_ops
-from zeroserve.kernels import bf16, cpu_native
+from zeroserve.kernels import cpu_native
 from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker import numerics
 from zeroserve.services.worker.model.cpu_step import CpuDecodeStep
 from tests.helpers import PagedKV, cached_model_dir, random_prompt
 
@@ -41,15 +42,14 @@ def _python_forward(model, *args):
         model._step = step
 
 
-@pytest.mark.parametrize("arch,quantization,bf16_rows", [("llama", "int4", None), ("qwen2", "int8", None),
-                                                         ("qwen3", "int4", None), ("mistral", "int8", None),
-                                                         ("llama", "int4", 3), ("qwen2", "int8", 1)])
-def test_decode_steps_equal_the_python_forward(arch, quantization, bf16_rows):
-    """bf16_rows: bf16 panels attached, so batches of that many rows or more run the linears in
-    the bf16 regime, here on the packed bytes as in the Python path's QuantizableWeight.matmul."""
+@pytest.mark.parametrize("arch,quantization,bf16", [("llama", "int4", False), ("qwen2", "int8", False),
+                                                    ("qwen3", "int4", False), ("mistral", "int8", False),
+                                                    ("llama", "int4", True), ("qwen2", "int8", True)])
+def test_decode_steps_equal_the_python_forward(arch, quantization, bf16):
+    """bf16: the model in the bf16 numeric mode (every linear in the bf16 regime, here on the
+    packed bytes as in the Python path's QuantizableWeight.matmul)."""
     cfg, model = _model(arch, quantization)
-    if bf16_rows is not None:
-        bf16.attach(model, bf16_rows)
+    numerics.apply(model, bf16)
     assert isinstance(model._cpu_step(), CpuDecodeStep)
     kv = PagedKV(model, num_blocks=48, block_size=4, order="random", seed=1)
     lens = [1, 3, 4, 9, 17]  # ragged, at and across the 4-token block edges

@@ -150,6 +150,28 @@ def test_stop_string_spanning_tokens(tok, include):
         assert d.text == expect and d.stop_str == stop and tail == ""
 
 
+def test_a_stop_names_the_token_that_completed_it_however_ids_are_grouped(tok):
+    """The detokenizer reports how many ids of a call the output keeps (up to the one whose
+    text completed the stop string): a stream and a result of one request reach it grouped
+    differently and must end on the same token."""
+    text = "hello world café done and more text"
+    ids = tok.encode(text)
+    stop = "café do"
+    one_by_one = _stream(tok, ids, SamplingParams(stop=[stop]))[0]
+    last = one_by_one.num_output_tokens  # ids fed until the stop matched
+    for size in range(1, len(ids) + 1):
+        d = IncrementalDetokenizer(tok, [], SamplingParams(stop=[stop]))
+        fed = 0
+        for i in range(0, len(ids), size):
+            r = d.add_tokens(ids[i:i + size])
+            if r.stop_str is not None:
+                fed += r.tokens
+                break
+            fed += len(ids[i:i + size])
+        assert r.stop_str == stop and 1 <= r.tokens <= size
+        assert fed == last and d.text == one_by_one.text, (size, fed, last)
+
+
 def test_stop_string_at_the_very_start(tok):
     ids = tok.encode("stop here please")
     for include, expect in ((False, ""), (True, "stop")):

@@ -41,13 +41,15 @@ def start_gateway(cluster: LocalCluster, name: str, *args: str, scheduler: str |
 
 
 @contextlib.contextmanager
-def cluster_with_gateway(scheduler_args: list[str]):
-    """The tiny llama model on one worker, a scheduler with `scheduler_args` and one gateway,
-    all ready -> (cluster, the gateway's base URL); stopped on exit."""
-    c = LocalCluster(cached_model_dir(ARCH), workers=1, num_kv_blocks=128, scheduler_args=scheduler_args)
+def cluster_with_gateway(scheduler_args: list[str], model=None, gateway_args: tuple[str, ...] = (),
+                         num_kv_blocks: int = 128):
+    """A model (the tiny llama unless given) on one worker, a scheduler with `scheduler_args` and
+    one gateway with `gateway_args`, all ready -> (cluster, the gateway's base URL); stopped on exit."""
+    c = LocalCluster(model or cached_model_dir(ARCH), workers=1, num_kv_blocks=num_kv_blocks,
+                     scheduler_args=scheduler_args)
     try:
         c.start()
-        url = start_gateway(c, "gateway")
+        url = start_gateway(c, "gateway", *gateway_args)
         c.wait_ready(timeout=180)
         wait_http(url, c, "gateway")
         yield c, url

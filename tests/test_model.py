@@ -336,65 +336,25 @@ def test_tensor_parallel_divisibility_error():
         build_model(cfg, "cpu", torch.float32, get_ops("torch", "cpu"), tp_rank=0, tp_size=4)
 
 
-def test_resolve_dtype(monkeypatch):
-    monkeypatch.setattr(cpu_native, "native_bf16", lambda: False)
-    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32
-    assert resolve_dtype("auto", "cuda", "bfloat16") is torch.bfloat16
+@pytest.mark.parametrize("native", [True, False])
+def test_resolve_dtype_is_a_rule_not_a_measurement(monkeypatch, native):
+    """The same answer on a CPU with native bf16 and without: a CPU computes in fp32 (a bf16
+    request there is the matmul regime, services/worker/numerics.py); an accelerator takes the
+    checkpoint's dtype under auto."""
+    monkeypatch.setattr(cpu_native, "native_bf16", lambda: native)
     cfg = ModelConfig.from_dir(cached_model_dir("llama"))
+    for ckpt in ("bfloat16", "float32", "float16", cfg, None):
+        assert resolve_dtype("auto", "cpu", ckpt) is torch.float32
+    assert resolve_dtype("auto", "cuda", "bfloat16") is torch.bfloat16
     assert resolve_dtype("auto", "cuda", cfg) is torch.float32
     assert resolve_dtype("auto", "cuda") is torch.float32
-    for names, want in ((("float32", "float", "fp32"), torch.float32), (("bfloat16", "bf16"), torch.bfloat16),
-                        (("float16", "half", "fp16", "FP16"), torch.float16)):
+    for names, cpu, gpu in ((("float32", "float", "fp32"), torch.float32, torch.float32),
+                            (("bfloat16", "bf16", "torch.bfloat16"), torch.float32, torch.bfloat16),
+                            (("float16", "half", "fp16", "FP16"), torch.float16, torch.float16)):
         for n in names:
-            assert resolve_dtype(n, "cpu") is want
+            assert resolve_dtype(n, "cpu") is cpu and resolve_dtype(n, "cuda") is gpu, n
     with pytest.raises(ModelLoadError, match=r"unsupported dtype 'int8'.*bfloat16"):
         resolve_dtype("int8", "cpu")
-
-
-def test_cpu_auto_dtype_is_measured(monkeypatch):
-    """bf16 only for a bf16 checkpoint, on a CPU with native bf16, where the probe measured it
-    faster for decode and not slower for prefill; fp32 (and no probe) everywhere else."""
-    from zeroserve.services.worker import dtype as dt
-
-    probed = []
-
-    def probe(times):
-        def run(rows, cols):
-            probed.append((rows, cols))
-            return {(d, n): t for (d, n), t in zip([(torch.float32, 1), (torch.float32, 64),
-                                                     (torch.bfloat16, 1), (torch.bfloat16, 64)], times)}
-        return run
-
-    cfg = ModelConfig.from_dir(cached_model_dir("llama"))
-    monkeypatch.setattr(cpu_native, "native_bf16", lambda: True)
-    monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.0, 10.5]))
-    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.bfloat16
-    assert probed[-1] == (dt.PROBE_MAX_DIM, dt.PROBE_MAX_DIM)  # no config: the capped shape
-    for fp32_ckpt in ("float32", "float16", cfg):  # not a bf16 checkpoint: fp32, nothing measured
-        n = len(probed)
-        assert resolve_dtype("auto", "cpu", fp32_ckpt) is torch.float32 and len(probed) == n
-    n = len(probed)
-    assert resolve_dtype("auto", "cpu", "bfloat16", quantization="int8") is torch.float32 and len(probed) == n
-    assert resolve_dtype("auto", "cpu", "bfloat16", probe=False) is torch.float32 and len(probed) == n  # a TP shard
-    assert resolve_dtype("auto", "cpu", "bf16") is torch.bfloat16 and len(probed) == n + 1  # an alias is bf16 too
-    assert resolve_dtype("auto", "cuda", "bfloat16", probe=False) is torch.bfloat16  # a GPU does not probe
-    n = len(probed)
-    monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.0, 30.0]))  # prefill 3x slower
-    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32
-    monkeypatch.setattr(dt, "probe_linear", probe([2.0, 10.0, 1.9, 9.0]))  # decode not 10% faster
-    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32
-    assert resolve_dtype("float32", "cpu", "bfloat16") is torch.float32  # a user's choice is not probed
-    monkeypatch.setattr(cpu_native, "native_bf16", lambda: False)
-    n = len(probed)
-    assert resolve_dtype("auto", "cpu", "bfloat16") is torch.float32 and len(probed) == n
-
-
-def test_probe_linear_times_every_dtype_and_batch():
-    from zeroserve.services.worker.dtype import probe_linear
-
-    t = probe_linear(1024, 512, tokens=(1, 16), budget_s=0.01)  # 2 MB: 128 copies fill the working set
-    assert set(t) == {(d, n) for d in (torch.float32, torch.bfloat16) for n in (1, 16)}
-    assert all(0 < v < 1 for v in t.values())
 
 
 def test_cpu_flags_are_read(monkeypatch, tmp_path):

@@ -51,8 +51,7 @@ def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank
     flight at once, plus what the shard holds. `wire`: how stages talk (None: ZeroMQ on CPU)."""
     from zeroserve import SamplingParams
     from zeroserve.common.config import EngineArgs
-    from zeroserve.services.engine import LLMEngine
-    from zeroserve.services.worker.pipeline import stage_runner
+    from zeroserve.services.engine import LLMEngine, stage_runner
 
     args = EngineArgs(model=model_dir, tp_size=tp, pp_size=pp, num_kv_blocks=48, max_num_batched_tokens=64, dtype=dtype)
     eng = LLMEngine(args, make_runner=stage_runner(tp_rank, tp, pp_rank, wire))
@@ -66,7 +65,8 @@ def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank
     m = eng.runner.model
     return {"tokens": [list(outs[i]) for i in ids], "layers": list(m.stage.layers),
             "kv_layers": len(eng.runner.kv_caches), "embed": m.embed_tokens is not None,
-            "head": m.lm_head is not None, "tied": m.cfg.tie_word_embeddings, "param_bytes": eng.runner.param_bytes()}
+            "head": m.lm_head is not None, "tied": m.cfg.tie_word_embeddings, "param_bytes": eng.runner.param_bytes(),
+            "mode": eng.runner.numeric_mode}
 
 
 def _stage_worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> None:
@@ -106,6 +106,7 @@ def _check(names, dirs, ref, shards, tp: int, pp: int) -> None:
         for rank, got in enumerate(shards):
             g = got[name]
             assert g["tokens"] == want["tokens"], f"{name}: rank {rank} (tp {tp} x pp {pp}) differs from pp=1"
+            assert g["mode"] == want["mode"], f"{name}: rank {rank} computes in another numeric mode than pp=1"
             pp_rank = rank // tp
             assert g["embed"] == (pp_rank == 0 or (pp_rank == pp - 1 and g["tied"]))
             assert g["head"] == (pp_rank == pp - 1)
@@ -138,12 +139,13 @@ def test_tp2_pp2_matches_pp1(tmp_path, wire):
 
 
 def test_pp2_bf16_matches_pp1(tmp_path):
-    """bf16 hidden states and residuals between the stages (the ZeroMQ wire sends them as bytes)."""
+    """--dtype bfloat16: every stage computes in the model's bf16 regime (services/worker/numerics.py:
+    bf16 linears, fp32 activations between the stages) and the tokens equal bf16 pp=1's."""
     dirs = _dirs(tmp_path, ["llama"])
     ref, shards = run_ranks(__file__, 2, {"dirs": dirs, "tp": 1, "pp": 2, "wire": None, "dtype": "bfloat16"},
                             tmp_path, lambda: {"llama": generate(dirs["llama"], dtype="bfloat16")}, timeout=600)
-    for s in shards:
-        assert s["llama"]["tokens"] == ref["llama"]["tokens"]
+    assert ref["llama"]["mode"].startswith("bfloat16/")
+    _check(["llama"], dirs, ref, shards, 1, 2)
 
 
 def test_stage_layers_split():

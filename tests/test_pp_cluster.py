@@ -5,7 +5,8 @@ One module-scoped cluster (scheduler, detokenizer, groups g0 and g1 of two stage
 
 1. the stages joined as one group each: `status` (and the stats behind the console) list the
    stages, their hosts and their layers' weights (each stage about half of the model);
-2. greedy tokens equal Hugging Face fp32's, one at a time and concurrently;
+2. greedy tokens equal Hugging Face fp32's, one at a time and concurrently; embeddings (pooled
+   on the last stage) equal HF's pooled hidden states, beside a generation;
 3. a stage SIGKILLed while 64 greedy requests stream (the first stage of g0: the answering
    last stage survives, blocked on a peer that is gone) takes its group out, and every request
    finishes on g1 with the reference tokens and text, no stream repeating or skipping a token
@@ -103,6 +104,31 @@ def test_pp2_greedy_matches_hf(cluster, concurrent):
     got = _generate_all(cluster, concurrent)
     for i, (toks, p) in enumerate(zip(got, _prompts())):
         assert toks == hf_greedy("llama", p, MAX_TOKENS), f"prompt {i} (len {PROMPT_LENS[i]}): pp=2 != HF"
+
+
+def test_pp2_embeddings_match_hf(cluster):
+    """Embedding requests pool on the last stage (it has the final-normed states) beside a
+    generation in the same steps; the earlier stage expects no token for them."""
+    import asyncio
+
+    import numpy as np
+
+    from tests.helpers import load_hf_model
+    from tests.test_embeddings import PROMPTS, TOL, reference
+    from zeroserve import AsyncClient
+
+    hf = load_hf_model(cached_model_dir("llama"))
+
+    async def together():
+        async with AsyncClient(cluster.address, timeout_s=60.0) as ac:
+            return await asyncio.gather(ac.embed(PROMPTS, pooling="mean"), ac.embed(PROMPTS, pooling="last"),
+                                        ac.generate(_prompts()[1], _params()))
+
+    mean, last, gen = asyncio.run(together())
+    for pooling, outs in (("mean", mean), ("last", last)):
+        for p, o in zip(PROMPTS, outs):
+            np.testing.assert_allclose(o.embedding, reference(hf, p, pooling), atol=TOL)
+    assert list(gen.outputs[0].token_ids) == hf_greedy("llama", _prompts()[1], MAX_TOKENS)
 
 
 def test_stage_sigkill_midrun(cluster, workload):

@@ -29,6 +29,7 @@ from tests.scheduler_sim import (  # noqa: E402
     FakeDetok,
     FakeWorker,
     Net,
+    fake_embedding,
     group_of,
     make_cluster,
     prompt,
@@ -73,6 +74,34 @@ def test_a_group_joins_probes_and_serves_a_request():
     assert first.prompt_token_ids.tolist() == p
     assert not c.live and not c.delivery.seq_index and c.stats(net.now)["requests"] == 0
     assert g.in_flight is None or g.in_flight.step.finished_req_ids  # only the drop of the finished one
+
+
+def test_a_model_keeps_the_numeric_mode_of_its_first_group():
+    """Groups of one model must compute alike (failover exactness): a shard reporting another
+    numeric mode is refused with the reason, which `status` lists; the mode stays fixed after
+    every group has left."""
+    c = make_cluster()
+    net = Net(c)
+    fp32, bf16 = "float32/cpu-avx512/kv-float32/weights-auto", "bfloat16/cpu-avx512-vdpbf16ps/kv-float32/weights-auto"
+
+    def hello(wid, mode, model=MODEL):
+        w = FakeWorker(wid)
+        net.send(c.on_hello(w.ident, P.Hello(role="worker", worker_id=wid, group=wid, model=model, num_kv_blocks=64,
+                                             block_size=16, numeric_mode=mode), net.now))
+        return net.backend[w.ident][-1]
+
+    assert hello("a", fp32).status == "accepted"
+    assert hello("b", fp32).status == "accepted"
+    refused = hello("c", bf16)
+    assert refused.status == "refused" and fp32 in refused.detail and bf16 in refused.detail
+    assert hello("d", "").status == "refused"  # a worker that does not say is not assumed alike
+    st = c.stats(net.now)
+    assert st["numeric_modes"] == {MODEL: fp32}
+    assert [r["worker_id"] for r in st["refused"]] == ["c", "d"] and "numeric mode" in st["refused"][0]["reason"]
+    assert {g["name"]: g["numeric_mode"] for g in st["groups"]} == {"a": fp32, "b": fp32}
+    for wid in ("a", "b"):
+        c.groups.gone(c.groups.get(wid), "test", Outbox())
+    assert hello("e", bf16).status == "refused"  # still fixed: requests waiting would change tokens
 
 
 def test_tp_ranks_wait_for_rank_0_and_get_its_dist_address():
@@ -383,7 +412,9 @@ def test_a_stop_string_ends_the_sequence_in_its_group():
     net.submit("r", p, 40)
     net.run(lambda: net.done("r"))
     toks, text, reasons, _ = net.got("r")
-    assert reasons == ["stop"] and toks == reference(p, 40)[:len(toks)] and text == text_of(toks[:5])
+    # the output ends on the token that completed the stop string, however many tokens the
+    # detokenizer got in that batch
+    assert reasons == ["stop"] and toks == reference(p, 40)[:5] and text == text_of(toks)
     final = [o for m in net.clients[CLIENT_ID] if isinstance(m, P.Outputs) for o in m.items if o.finish_reason]
     assert final[0].stop_reason == "STOP"
     assert not c.groups.get("g0").policy.requests
@@ -522,3 +553,55 @@ def test_a_peer_that_refuses_one_message_gets_none_of_the_rest():
     assert failed == ["new", "tokens"]
     assert svc.backend_ch.sent == [(b"ok", "DetokFree")] and svc.client_ch.sent == [(b"full", "Pong")]
     assert svc.steps_ch.sent == [(b"g0\x00", "Probe")]
+
+
+# ================================================================== embeddings
+
+
+def test_an_embedding_is_a_prefill_that_frees_its_blocks_without_the_detokenizer():
+    c = make_cluster(max_num_batched_tokens=16)
+    net = Net(c)
+    (w,) = net.join("g0")
+    d = net.join_detok("detok-1")
+    p = prompt(40, 3)
+    net.submit("e1", p, 8, kind="embed", pooling="mean")
+    net.submit("e2", p, 8, kind="embed")  # the model's pooling: last (no sentence-transformers config)
+    net.submit("r1", prompt(20, 1), 4)
+    net.run(lambda: all(net.done(r) for r in ("e1", "e2", "r1")))
+    outs = {o.request_id: o for m in net.clients[CLIENT_ID] if isinstance(m, P.Outputs) for o in m.items
+            if o.embedding is not None}
+    np.testing.assert_array_equal(outs["e1"].embedding, fake_embedding(p, "mean"))
+    np.testing.assert_array_equal(outs["e2"].embedding, fake_embedding(p, "last"))
+    for rid in ("e1", "e2"):
+        toks, text, reasons, errors = net.got(rid)
+        assert toks == [] and text == "" and reasons == ["stop"] and not errors
+        assert outs[rid].prompt_token_ids.tolist() == p
+    assert net.got("r1")[0] == reference(prompt(20, 1), 4)  # a generation beside them is untouched
+    # prefill only, in chunks of the budget, never from the prefix cache (e2 repeats e1's prompt)
+    assert sorted(str(n.pooling) for n in w.seen_new) == ["None", "last", "mean"]
+    assert all(n.num_computed_tokens == 0 for n in w.seen_new)
+    gen = [n.req_id for n in w.seen_new if n.pooling is None]
+    assert [n.req_id for n in d.new] == gen  # the detokenizer saw only the generation
+    net.run(lambda: c.groups.get("g0").policy.bm.num_used_blocks == 0)
+    assert not c.live and not w.reqs
+
+
+def test_embeddings_in_a_step_result_are_checked():
+    c = make_cluster()
+    net = Net(c)
+    (w,) = net.join("g0")
+    net.join_detok("detok-1")
+    net.submit("r1", prompt(10, 2), 4)
+    run = w.run
+
+    def lying(step):  # an embedding for a generation request: the group is not trusted again
+        out = run(step)
+        out.embed_req_ids, out.embeddings = out.req_ids[:1], np.zeros((1, 64), np.float32)
+        return out
+
+    w.run = lying
+    net.turn()
+    net.turn()
+    assert c.groups.get("g0") is None or c.groups.get("g0").state == GroupState.GONE
+    with pytest.raises(ValueError, match="embedding request takes a prompt"):  # checked where it is built
+        P.Submit(request_id="x", messages=[P.ChatMessage(role="user", content="hi")], kind="embed")

@@ -8,11 +8,11 @@ from zeroserve.common.errors import (
     RequestTimeout,
     ZeroserveError,
 )
-from zeroserve.common.outputs import CompletionOutput, Logprob, RequestOutput
+from zeroserve.common.outputs import CompletionOutput, EmbeddingOutput, Logprob, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "Client", "AsyncClient",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EmbeddingOutput", "Logprob", "Client", "AsyncClient",
     "ZeroserveError", "InvalidRequest", "Overloaded", "RequestTimeout", "ClusterUnavailable", "ModelLoadError",
 ]
 

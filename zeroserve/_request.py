@@ -14,7 +14,7 @@ import numpy as np
 from zeroserve.common import messages as P
 from zeroserve.common.chat import check_messages
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.common.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entries
+from zeroserve.common.outputs import Logprob, RequestOutput, completion_from_items, embedding_from_items, item_logprobs
 from zeroserve.common.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, unset_fields
 
 log = logging.getLogger("zeroserve.client")
@@ -105,15 +105,6 @@ def _check_timeout(name: str, v: Any, allow_none: bool = True) -> float | None:
         raise InvalidRequest(f"{name} must be a positive number of seconds{' or None' if allow_none else ''}, "
                              f"got {v!r}")
     return float(v)
-
-
-def _logprob_dicts(item: P.Output) -> list[dict[int, Logprob]]:
-    """The chunk's logprobs; a chunk that carries no arrays gets empty dicts, so the list stays
-    one entry per token."""
-    if item.logprobs is None:
-        return [{} for _ in range(len(item.token_ids))]
-    ranks = item.ranks if item.ranks is not None else [None] * len(item.token_ids)
-    return logprob_entries(item.logprob_token_ids, item.logprobs, ranks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,7 +222,7 @@ class _Req:
 
     def delta(self, item: P.Output) -> StreamDelta:
         d = StreamDelta(self.rid, item.index, item.text, item.token_ids, item.finish_reason,
-                        item.stop_reason, _logprob_dicts(item) if self.want_lp else None)
+                        item.stop_reason, item_logprobs(item) if self.want_lp else None)
         if self.first_delta:
             self.first_delta = False
             d.prompt_token_ids = self._prompt_ids()
@@ -245,22 +236,8 @@ class _Req:
         return self.sent_ids.tolist() if self.sent_ids is not None else []
 
     def result(self) -> RequestOutput:
-        outs = []
-        for i, items in enumerate(self.parts):
-            if not items:
-                toks: list[int] = []
-            elif len(items) == 1:
-                toks = items[0].token_ids
-            else:
-                toks = [t for it in items for t in it.token_ids]
-            lps = None
-            if self.want_lp:
-                lps = []
-                for it in items:
-                    lps.extend(_logprob_dicts(it))
-            outs.append(CompletionOutput(i, "".join([it.text for it in items]), toks, self.finish[i], lps,
-                                         self.stop[i]))
+        outs = [completion_from_items(i, items, self.finish[i], self.stop[i], self.want_lp)
+                for i, items in enumerate(self.parts)]
         return RequestOutput(self.rid, self.prompt, self._prompt_ids(), outs, finished=True,
-                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency)
-
-
+                             num_cached_tokens=self.num_cached, first_token_latency=self.first_latency,
+                             embedding=embedding_from_items(self.parts[0]) if self.parts else None)

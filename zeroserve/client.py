@@ -66,11 +66,12 @@ from zeroserve.common.errors import (
     RequestTimeout,
     ZeroserveError,
 )
-from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.embeddings import finish_embedding, request_pooling
+from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
 from zeroserve.common.transport import make_socket, tcp_addr
-from zeroserve.services.scheduler.admission import split_prompt
+from zeroserve.common.prompts import split_prompt
 from zeroserve._request import (
     Conversation,
     StreamDelta,
@@ -256,7 +257,7 @@ class AsyncClient(LivenessMixin):
 
     # ---------------------------------------------------------------- requests
     def _submit(self, prompt: Any, params: Any, request_id: str | None, request_timeout_s: float | None,
-                streaming: bool, model_defaults: list[str]) -> _Req:
+                streaming: bool, model_defaults: list[str], pooling: str | None = None) -> _Req:
         msgs = prompt.messages if isinstance(prompt, Conversation) else None
         tools = prompt.tools if isinstance(prompt, Conversation) else None
         if isinstance(prompt, _Checked):  # stream() checked both already
@@ -277,7 +278,7 @@ class AsyncClient(LivenessMixin):
                                  "or leave request_id unset")
         frames = encode(P.Submit(request_id=request_id, prompt=text, prompt_token_ids=ids, params=sp,
                                  stream=streaming, timeout_s=timeout, messages=msgs, model_defaults=model_defaults,
-                                 tools=tools))
+                                 tools=tools, **({} if pooling is None else {"kind": "embed", "pooling": pooling})))
         r = _Req(request_id, sp, streaming, loop.time(), text, ids, None if streaming else loop.create_future())
         r.nonce0, r.retries = self._nonce, self.retries
         if self.retries:
@@ -338,6 +339,37 @@ class AsyncClient(LivenessMixin):
         if r.error is not None:
             raise r.error
         return r.result()
+
+    async def embed(self, prompts: Any, model: str | None = None, *, pooling: str | None = None,
+                    normalize: bool = True, dimensions: int | None = None,
+                    request_timeout_s: float | None = None) -> list[EmbeddingOutput]:
+        """The embedding of each prompt (a text or token ids, or a list of them), computed by the
+        cluster as a prefill-only request: the model's final hidden states pooled (``pooling``
+        "last" or "mean"; default the model's: the scheduler's --pooling), L2-normalised unless
+        ``normalize`` is false, after a truncation to ``dimensions`` when given."""
+        pooling = request_pooling(pooling)
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        reqs: list[_Req] = []
+        try:
+            for p in prompts:
+                reqs.append(self._submit(p, {"model": model} if model else None, None, request_timeout_s,
+                                         streaming=False, model_defaults=[], pooling=pooling))
+            await asyncio.gather(*(r.done for r in reqs))
+        except BaseException:  # a bad prompt or a cancellation: none of the batch runs on
+            for r in reqs:
+                self._cancel_request(r)
+            raise
+        outs = []
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+            o = r.result()
+            if o.embedding is None:
+                raise ZeroserveError(f"request {r.rid!r} ended without an embedding ({r.finish[0]})")
+            outs.append(EmbeddingOutput(r.rid, o.prompt_token_ids, finish_embedding(o.embedding, dimensions,
+                                                                                     normalize).tolist()))
+        return outs
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                *, request_timeout_s: float | None = None,

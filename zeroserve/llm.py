@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 from zeroserve.common.config import EngineArgs
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.embeddings import finish_embedding
+from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
 from zeroserve.services.engine import LLMEngine
@@ -14,6 +15,10 @@ from zeroserve.services.engine import LLMEngine
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:  # the built-in model (random weights), made on first use
+            from zeroserve.services.tiny_model import default_model_dir
+
+            model = str(default_model_dir())
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
 
     @property
@@ -27,9 +32,7 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:  # the model's generation config over SamplingParams' defaults
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -39,11 +42,24 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequest(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                      "pass one for all or one per prompt")
+        return self._run([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def embed(self, prompts, pooling: str | None = None, normalize: bool = True, dimensions: int | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingOutput]:
+        """The embedding of each prompt (text or token ids): its final hidden states pooled
+        (``pooling`` "last" or "mean"; default the model's: --pooling), L2-normalised unless
+        ``normalize`` is false, truncated to ``dimensions`` first if given."""
+        outs = self._run([(p, None, pooling or "") for p in _prompt_list(prompts)], use_tqdm, "embedding")
+        return [EmbeddingOutput(o.request_id, o.prompt_token_ids,
+                                finish_embedding(o.embedding, dimensions, normalize).tolist()) for o in outs]
+
+    def _run(self, jobs: list[tuple], use_tqdm: bool, what: str = "generating") -> list[RequestOutput]:
+        """Add every (prompt, params, pooling) job, then step until all have finished."""
         # validate everything before running anything: a bad prompt loses no work
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, pooling in jobs:
+                ids.append(self.engine.add_request(p, sp, pooling=pooling))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -53,7 +69,7 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating", unit="req")
+            bar = tqdm(total=len(ids), desc=what, unit="req")
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -97,3 +113,10 @@ class LLM:
             for o in outs:
                 attach_calls(o.outputs, spec, tool_parser)
         return outs
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids, a dict) or a list of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

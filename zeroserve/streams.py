@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Protocol, Self
 
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve._request import StreamDelta, _Req
 
-if TYPE_CHECKING:
-    from zeroserve.client import AsyncClient
+
+class _Owner(Protocol):
+    """What a stream needs of the AsyncClient that made it (client.py imports this module, so
+    this one names the client's side by its shape, not by an import)."""
+
+    _loop: asyncio.AbstractEventLoop
+
+    def _submit(self, prompt: Any, params: Any, request_id: str | None, request_timeout_s: float | None,
+                streaming: bool, model_defaults: list[str]) -> _Req: ...
+
+    def _cancel_request(self, r: _Req) -> None: ...
 
 
 class AsyncStream:
@@ -19,7 +28,7 @@ class AsyncStream:
     Also an async context manager; ``aclose()`` (or leaving the ``async with``, or dropping the
     iterator after ``break``) aborts the request if it is still running."""
 
-    def __init__(self, client: AsyncClient, prompt: Any, params: SamplingParams, request_id: str | None,
+    def __init__(self, client: _Owner, prompt: Any, params: SamplingParams, request_id: str | None,
                  request_timeout_s: float | None, model_defaults: list[str]) -> None:
         self._client = client
         self._args: tuple | None = (prompt, params, request_id, request_timeout_s, model_defaults)

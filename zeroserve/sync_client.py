@@ -15,7 +15,7 @@ from typing import Any, Self
 import zmq
 
 from zeroserve.common.errors import ZeroserveError
-from zeroserve.common.outputs import RequestOutput
+from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve._request import StreamDelta
 from zeroserve.client import DEFAULT_ADDRESS, AsyncClient
@@ -112,6 +112,12 @@ class Client:
         """Run one request to the end; ``params`` and ``model_defaults`` as in ``AsyncClient.generate``."""
         return self._call(self._ac.generate(prompt, params, request_id, request_timeout_s=request_timeout_s,
                                             model_defaults=model_defaults))
+
+    def embed(self, prompts: Any, model: str | None = None, *, pooling: str | None = None, normalize: bool = True,
+              dimensions: int | None = None, request_timeout_s: float | None = None) -> list[EmbeddingOutput]:
+        """The embedding of each prompt; as ``AsyncClient.embed``."""
+        return self._call(self._ac.embed(prompts, model, pooling=pooling, normalize=normalize, dimensions=dimensions,
+                                         request_timeout_s=request_timeout_s))
 
     def stream(self, prompt: Any, params: SamplingParams | dict | None = None, request_id: str | None = None,
                *, request_timeout_s: float | None = None,

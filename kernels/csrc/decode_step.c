@@ -15,8 +15,8 @@
  * libraries. So the hidden states equal the Python path's bit for bit (the tests check it).
  *
  * Descriptor (int64 words, built once by services/worker/model/cpu_step.py):
- *   g[G_*]: model geometry, tables and function pointers (see the enum; G_BF16_ROWS: rows from
- *   which the linears run in bf16, G_QMM_BF16 their kernel);
+ *   g[G_*]: model geometry, tables and function pointers (see the enum; G_BF16: 1 when every
+ *   linear runs in the bf16 regime, G_QMM_BF16 its kernel);
  *   layers[l * L_WORDS + ...]: four linears (qkv, o, gate_up, down; each LIN_WORDS words:
  *   format, weight, row stride, scales, mins, scale stride, group, bias), the norm weights and
  *   the layer's K and V caches. f[0] = rms eps, f[1] = attention scale.
@@ -31,7 +31,7 @@
 #include "cpu_ops.c"
 
 enum { G_LAYERS, G_H, G_HQ, G_HK, G_D, G_I, G_ROT, G_MAX_POS, G_COS_SIN, G_QK_NORM, G_FINAL_NORM, G_QMM,
-       G_DECODE, G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16_ROWS, G_WORDS };
+       G_DECODE, G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16, G_WORDS };
 enum { LIN_FMT, LIN_W, LIN_WSTRIDE, LIN_SCALES, LIN_MINS, LIN_SSTRIDE, LIN_GROUP, LIN_BIAS, LIN_WORDS };
 enum { L_QKV = 0, L_O = LIN_WORDS, L_GU = 2 * LIN_WORDS, L_DOWN = 3 * LIN_WORDS, L_IN_NORM = 4 * LIN_WORDS,
        L_POST_NORM, L_Q_NORM, L_K_NORM, L_K_CACHE, L_V_CACHE, L_WORDS };
@@ -79,11 +79,11 @@ static void share(int T, int id, int cnt, int *t0, int *t1) {
 }
 
 /* Thread id's share of y[T, N] = x[T, K] @ W^T, W the packed linear at lin (its output rows): in
- * fp32, or from G_BF16_ROWS rows on in the bf16 regime (csrc/qmatmul_bf16.c), as the Python
- * path's QuantizableWeight.matmul chooses. */
+ * fp32, or (G_BF16) in the bf16 regime (csrc/qmatmul_bf16.c) at every T, as the model's numeric
+ * mode says and the Python path's QuantizableWeight.matmul does. */
 static int linear(const int64_t *g, const int64_t *lin, const float *x, float *y, int T, int N, int K, int cnt,
                   int id) {
-    const qmm_fn f = T >= g[G_BF16_ROWS] && g[G_QMM_BF16] ? PTR(qmm_fn, g[G_QMM_BF16]) : PTR(qmm_fn, g[G_QMM]);
+    const qmm_fn f = g[G_BF16] && g[G_QMM_BF16] ? PTR(qmm_fn, g[G_QMM_BF16]) : PTR(qmm_fn, g[G_QMM]);
     return f((int)lin[LIN_FMT], PTR(const uint8_t *, lin[LIN_W]), lin[LIN_WSTRIDE],
                                  PTR(const float *, lin[LIN_SCALES]), PTR(const float *, lin[LIN_MINS]),
                                  lin[LIN_SSTRIDE], (int)lin[LIN_GROUP], x, K, y, N, T, N, K, cnt, id);

@@ -17,19 +17,19 @@
  *   INT8  group g:   int8 q[K], fp32 scale[ceil(K / g)]  w = s * q
  *   INT4  group g:   u8 qs[K / 2] packed like Q4_1 per 32-chunk, fp32 scale and min per group,
  *         w = s * q + m; g is 32 * 2^i, the last group may be short
+ *   F32   block 32:  fp32 w[32] (a plain float weight, read in place: kernels/quant.py's "f32")
+ *   BF16  block 32:  bf16 w[32] (a weight held in bf16: "bf16"), widened exactly
  * GGUF formats are llama.cpp's block layouts byte for byte.
  *
- * Arithmetic (fp32 throughout): per chunk c with scale d, offset m and codes q (q - 8 for Q4_0),
- *   acc = fma(d, x_c . q_c, acc) [then acc = fma(m, sum(x_c), acc) for Q4_1, Q4_K, INT4]
- * where x_c . q_c is a fixed tree over vector lanes, sum(x_c) is taken in the same lane order,
- * acc is one vector per (t, n) accumulated over K in order, and its lanes are summed at the
- * end. Versus dequantize-then-matmul this only moves roundings (scale applied per chunk, not
- * per weight; summation order): agreement to fp32 rounding. From GEMM_MIN_ROWS rows of x on,
- * panels of weights are dequantized exactly and multiplied by a float GEMM (run_gemm): only the
- * summation order differs from dequantize-then-matmul. Within each of the two regimes the result
- * of a row is the same for every T, tiling and thread count (batch- and thread-invariant); the
- * two regimes agree to fp32 rounding, not bit for bit, and both differ between the AVX-512, AVX2
- * and portable builds (vector width).
+ * Arithmetic (fp32 throughout), one definition for every call: each weight is dequantized
+ * exactly (w = d * q (+ m), one rounding, the torch twin's values), and per (t, n) one vector
+ * of partial sums runs over K in order, acc = fma(x[k .. k + VW), w[k .. k + VW), acc), its
+ * lanes summed at the end by vsum's fixed tree. Both code paths -- the packed tile for few rows
+ * of x (weights decoded in registers) and the GEMM on dequantized panels for many -- do exactly
+ * these operations in this order, so a row's result is the same bits for every T, tiling, row
+ * slice and thread count: batch-invariant by construction (zeroserve's numeric modes rest on it;
+ * GEMM_MIN_ROWS is a speed choice only). It differs from dequantize-then-matmul (BLAS) by
+ * summation order only, and between the AVX-512, AVX2 and portable builds (vector width: VW).
  *
  * Built on first use by kernels/cpu_native.py (-O3 -march=native -fopenmp -ffp-contract=off:
  * the compiler may not fuse or reorder what is written here).
@@ -42,7 +42,7 @@
 #include <omp.h>
 #endif
 
-enum { F_Q8_0 = 0, F_Q4_0 = 1, F_Q4_1 = 2, F_Q4_K = 3, F_INT8 = 4, F_INT4 = 5, F_COUNT };
+enum { F_Q8_0 = 0, F_Q4_0 = 1, F_Q4_1 = 2, F_Q4_K = 3, F_INT8 = 4, F_INT4 = 5, F_F32 = 6, F_BF16 = 7, F_COUNT };
 
 #define RMAX 8          /* rows of x per tile: one decoded chunk is reused RMAX times */
 #define PANEL 64        /* weight rows that stay in L2 while a block of x passes over them */
@@ -76,6 +76,10 @@ INLINE void u4x16(const uint8_t *p, vf *lo, vf *hi) {
 }
 INLINE void i8x16(const uint8_t *p, vf *o) {
     o[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* 16 bf16 values (32 bytes) -> fp32, exact: each one's bits moved to the top half of a lane */
+INLINE void bf16x16(const uint8_t *p, vf *o) {
+    o[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(ZS_QM_PORTABLE)
 #include <immintrin.h>
@@ -111,6 +115,10 @@ INLINE void i8x16(const uint8_t *p, vf *o) {
     o[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     o[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
 }
+INLINE void bf16x16(const uint8_t *p, vf *o) {
+    o[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    o[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16))), 16));
+}
 #else
 /* Portable: 8-float structs the compiler vectorizes for whatever the target has. */
 #define ISA 0
@@ -135,6 +143,14 @@ INLINE void u4x16(const uint8_t *p, vf *lo, vf *hi) {
 }
 INLINE void i8x16(const uint8_t *p, vf *o) {
     for (int i = 0; i < 16; i++) o[i / 8].v[i % 8] = (float)(int8_t)p[i];
+}
+INLINE void bf16x16(const uint8_t *p, vf *o) {
+    for (int i = 0; i < 16; i++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        const uint32_t u = (uint32_t)h << 16;
+        memcpy(&o[i / 8].v[i % 8], &u, 4);
+    }
 }
 #endif
 
@@ -212,6 +228,8 @@ INLINE int block_prep(int fmt, const row_t *r, int b, float *d, float *m) {
         }
         return 8;
     }
+    case F_F32:
+    case F_BF16: d[0] = 1.f; return 1;  /* plain weights: no scale (dq() uses the values as they are) */
     default:  /* INT8 / INT4: a block is one chunk of 32; its group is chunk >> gshift */
         d[0] = r->sc[b >> r->gshift];
         if (fmt == F_INT4) m[0] = r->mn[b >> r->gshift];
@@ -238,6 +256,10 @@ INLINE int decode(int fmt, const row_t *r, int b, int j, vf w[2][NV]) {
         return 2;
     }
     case F_INT8: i8x16(r->w + 32 * (int64_t)b, w[0]); i8x16(r->w + 32 * (int64_t)b + 16, w[0] + NH); return 1;
+    case F_F32:
+        for (int i = 0; i < NV; i++) w[0][i] = VLOAD((const float *)(r->w + 128 * (int64_t)b) + i * VW);
+        return 1;
+    case F_BF16: bf16x16(r->w + 64 * (int64_t)b, w[0]); bf16x16(r->w + 64 * (int64_t)b + 32, w[0] + NH); return 1;
     default: u4x16(r->w + 16 * (int64_t)b, w[0], w[0] + NH); return 1;  /* INT4 */
     }
 }
@@ -254,33 +276,38 @@ INLINE int block_bytes(int fmt) {
     case F_Q4_0: return 18;
     case F_Q4_1: return 20;
     case F_Q4_K: return 144;
+    case F_F32: return 128;
+    case F_BF16: return 64;
     default: return 32;  /* INT8 codes (INT4: 16; the distance only needs to be about right) */
     }
 }
 
-/* Lane sums of one chunk of x in dot32's tree order: sum(x_c) = vsum of this. */
-INLINE vf lanesum32(const float *x) {
-#if NV == 2
-    return VADD(VLOAD(x), VLOAD(x + 16));
-#else
-    return VADD(VADD(VLOAD(x), VLOAD(x + 8)), VADD(VLOAD(x + 16), VLOAD(x + 24)));
-#endif
+/* Chunk vector q (the codes decode() gave) as the weight's exact fp32 values: the bits
+ * dequant_blocks stores and the torch twin computes. GGUF scales have 11 (Q4_K: 17) significant
+ * bits, codes 4-8: d * q is exact in fp32, so one FMA rounds as the twin's multiply-then-add. */
+INLINE vf dq(int fmt, vf vd, vf vm, vf q) {
+    if (fmt == F_F32 || fmt == F_BF16) return q;
+    return !asym(fmt) ? VMUL(vd, q) : fmt == F_INT4 ? VADD(VMUL(vd, q), vm) : VFMA(vd, q, vm);
 }
 
-/* One chunk's step of an accumulator chain: a = fma(d, x_c . q_c, a), then for the formats with
- * an offset a = fma(m, lanesum(x_c), a) (the lane sums at sx + so; sx is NULL for the others).
- * tile() and tile_rows() both go through it, so every tiling computes the same bits. */
-INLINE vf chunk_acc(int fmt, const vf *w, vf vd, vf vm, const float *xc, const float *sx, int64_t so, vf a) {
-    a = VFMA(vd, dot32(w, xc), a);
-    return asym(fmt) ? VFMA(vm, VLOAD(sx + so), a) : a;
+/* One chunk's step of an accumulator chain: acc = fma(x_c[i], w_c[i], acc) for its NV vectors
+ * in order, w_c the dequantized values -- exactly gemm_tile's operations on the same k, so the
+ * packed tile, tile_rows and the GEMM compute the same bits for a row. */
+INLINE vf chunk_acc(const vf *w, const float *xc, vf a) {
+    for (int i = 0; i < NV; i++) a = VFMA(VLOAD(xc + i * VW), w[i], a);
+    return a;
 }
 
-/* Blocks [b0, b1) of one weight row against R rows of x (x, sx at the row starts), accumulated
- * into acc[r]: per chunk c, acc = fma(d_c, x_c . q_c, acc), then acc = fma(m_c, lanesum(x_c),
- * acc). One vector chain per (row of x, row of w) over K in order, so how K is sliced and rows
- * are tiled does not change the result. sx[r * sxs + c * VW ...] holds lanesum32 of chunk c. */
-INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *x, int64_t ldx,
-                 const float *sx, int64_t sxs, vf *acc) {
+/* The weights of decoded chunk u of block b's chunk jj as fp32 values into wd. */
+INLINE void chunk_values(int fmt, const float *d, const float *m, int jj, const vf *q, vf *wd) {
+    const vf vd = VSET1(d[jj]), vm = asym(fmt) ? VSET1(m[jj]) : VZERO();
+    for (int i = 0; i < NV; i++) wd[i] = dq(fmt, vd, vm, q[i]);
+}
+
+/* Blocks [b0, b1) of one weight row against R rows of x (at the row starts), accumulated into
+ * acc[r]: one vector chain per (row of x, row of w) over K in order, so how K is sliced and
+ * rows are tiled does not change the result. */
+INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *x, int64_t ldx, vf *acc) {
     vf a[RMAX];
     for (int r = 0; r < R; r++) a[r] = acc[r];
     const int cpb = block_elems(fmt) / 32;
@@ -293,10 +320,9 @@ INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *
             vf w[2][NV];
             const int got = decode(fmt, row, b, j, w);
             for (int u = 0; u < got; u++, j++, c++) {
-                const int jj = fmt == F_Q4_K ? j : 0;
-                const vf vd = VSET1(d[jj]), vm = asym(fmt) ? VSET1(m[jj]) : VZERO();
-                for (int r = 0; r < R; r++)
-                    a[r] = chunk_acc(fmt, w[u], vd, vm, x + r * ldx + c * 32, sx, r * sxs + c * VW, a[r]);
+                vf wd[NV];
+                chunk_values(fmt, d, m, fmt == F_Q4_K ? j : 0, w[u], wd);
+                for (int r = 0; r < R; r++) a[r] = chunk_acc(wd, x + r * ldx + c * 32, a[r]);
             }
         }
     }
@@ -305,15 +331,14 @@ INLINE void tile(int fmt, int R, const row_t *row, int b0, int b1, const float *
 
 /* One row of x against NW weight rows: per (x row, weight row) exactly tile(fmt, 1, ...)'s
  * operations in the same order, but NW independent accumulator chains interleave. Why: one row
- * of x gives tile() a single chain with two dependent FMAs per chunk, so FMA latency, not
- * throughput, bounded batch-1 decode (SmolLM2's Q4_1 linears ran at ~17 cycles per chunk on
- * AVX2); with four chains the core overlaps them: 0.158 -> 0.111 ms for a 1536x576 Q4_1 linear
- * on one core (benchmarks/quant_matmul.py --tokens 1 --threads 1). Only for the 4-bit formats:
- * 8-bit codes decode in fewer operations, their loop is bound by memory, and interleaving four
- * rows made the Q8_0 LM head slower (2.4 -> 3.6 ms). acc[i * acc_stride] is weight row i's sum. */
+ * of x gives tile() a single dependent chain, so FMA latency, not throughput, bounded batch-1
+ * decode (SmolLM2's Q4_1 linears ran at ~17 cycles per chunk on AVX2); with four chains the
+ * core overlaps them: 0.158 -> 0.111 ms for a 1536x576 Q4_1 linear on one core
+ * (benchmarks/quant_matmul.py --tokens 1 --threads 1). Only for the 4-bit formats: 8-bit codes
+ * decode in fewer operations, their loop is bound by memory, and interleaving four rows made the
+ * Q8_0 LM head slower (2.4 -> 3.6 ms). acc[i * acc_stride] is weight row i's sum. */
 #define NW 4
-INLINE void tile_rows(int fmt, const row_t *rows, int b0, int b1, const float *x, const float *sx, vf *acc,
-                      int acc_stride) {
+INLINE void tile_rows(int fmt, const row_t *rows, int b0, int b1, const float *x, vf *acc, int acc_stride) {
     vf a[NW];
     for (int i = 0; i < NW; i++) a[i] = acc[i * acc_stride];
     const int cpb = block_elems(fmt) / 32;
@@ -327,9 +352,9 @@ INLINE void tile_rows(int fmt, const row_t *rows, int b0, int b1, const float *x
                 vf w[2][NV];
                 const int got = decode(fmt, &rows[i], b, j, w);
                 for (int u = 0; u < got; u++, j++, c++) {
-                    const int jj = fmt == F_Q4_K ? j : 0;
-                    a[i] = chunk_acc(fmt, w[u], VSET1(d[jj]), asym(fmt) ? VSET1(m[jj]) : VZERO(), x + c * 32, sx,
-                                     c * VW, a[i]);
+                    vf wd[NV];
+                    chunk_values(fmt, d, m, fmt == F_Q4_K ? j : 0, w[u], wd);
+                    a[i] = chunk_acc(wd, x + c * 32, a[i]);
                 }
             }
         }
@@ -337,19 +362,19 @@ INLINE void tile_rows(int fmt, const row_t *rows, int b0, int b1, const float *x
     for (int i = 0; i < NW; i++) acc[i * acc_stride] = a[i];
 }
 
-#define ROWS_ARGS const row_t *w, int b0, int b1, const float *x, const float *sx, vf *acc, int as
+#define ROWS_ARGS const row_t *w, int b0, int b1, const float *x, vf *acc, int as
 typedef void (*rows_fn)(ROWS_ARGS);
-#define ROWS1(F, NAME) static void NAME##_rows(ROWS_ARGS) { tile_rows(F, w, b0, b1, x, sx, acc, as); }
+#define ROWS1(F, NAME) static void NAME##_rows(ROWS_ARGS) { tile_rows(F, w, b0, b1, x, acc, as); }
 ROWS1(F_Q4_0, q4_0)
 ROWS1(F_Q4_1, q4_1)
 ROWS1(F_Q4_K, q4_k)
 ROWS1(F_INT4, int4)
-static const rows_fn ROWS_FNS[F_COUNT] = {NULL, q4_0_rows, q4_1_rows, q4_k_rows, NULL, int4_rows};
+static const rows_fn ROWS_FNS[F_COUNT] = {NULL, q4_0_rows, q4_1_rows, q4_k_rows, NULL, int4_rows, NULL, NULL};
 
 /* One specialization per (format, R = 1, 2, 4, 8): R accumulators in registers. Other R are
  * split into these (each row's arithmetic is the same whatever its tile). */
-#define TILE_ARGS const row_t *w, int b0, int b1, const float *x, int64_t l, const float *sx, int64_t ls, vf *acc
-#define TILE1(F, NAME, R) static void NAME##_##R(TILE_ARGS) { tile(F, R, w, b0, b1, x, l, sx, ls, acc); }
+#define TILE_ARGS const row_t *w, int b0, int b1, const float *x, int64_t l, vf *acc
+#define TILE1(F, NAME, R) static void NAME##_##R(TILE_ARGS) { tile(F, R, w, b0, b1, x, l, acc); }
 #define TILES(F, NAME) TILE1(F, NAME, 1) TILE1(F, NAME, 2) TILE1(F, NAME, 4) TILE1(F, NAME, 8)
 typedef void (*tile_fn)(TILE_ARGS);
 #define TILE_ROW(NAME) {NAME##_1, NAME##_2, NAME##_4, NAME##_8}
@@ -360,9 +385,11 @@ TILES(F_Q4_1, q4_1)
 TILES(F_Q4_K, q4_k)
 TILES(F_INT8, int8)
 TILES(F_INT4, int4)
+TILES(F_F32, f32)
+TILES(F_BF16, bf16)
 
-static const tile_fn TILE_FNS[F_COUNT][4] = {TILE_ROW(q8_0), TILE_ROW(q4_0), TILE_ROW(q4_1),
-                                                TILE_ROW(q4_k), TILE_ROW(int8), TILE_ROW(int4)};
+static const tile_fn TILE_FNS[F_COUNT][4] = {TILE_ROW(q8_0), TILE_ROW(q4_0), TILE_ROW(q4_1), TILE_ROW(q4_k),
+                                                TILE_ROW(int8), TILE_ROW(int4), TILE_ROW(f32), TILE_ROW(bf16)};
 
 /* Which code path this build took: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable C. */
 int zs_qm_isa(void) { return ISA; }
@@ -370,8 +397,8 @@ int zs_qm_isa(void) { return ISA; }
 typedef struct {
     int fmt, gshift, T, N, K;
     const uint8_t *w;
-    int64_t w_stride, s_stride, ldx, ldy, sxs;
-    const float *scales, *mins, *x, *sx;
+    int64_t w_stride, s_stride, ldx, ldy;
+    const float *scales, *mins, *x;
     float *y;
     int round_bf16;  /* the GEMM path rounds each dequantized panel to bf16 (qmatmul_bf16.c, emulated) */
 } job_t;
@@ -393,31 +420,21 @@ INLINE void dequant_blocks(int fmt, const row_t *r, int b0, int b1, float *out) 
             vf q[2][NV];
             const int got = decode(fmt, r, b, j, q);
             for (int u = 0; u < got; u++, j++) {
-                const int jj = fmt == F_Q4_K ? j : 0;
-                float *dst = out + (int64_t)(b - b0) * be + 32 * j;
-                const vf vd = VSET1(d[jj]), vm = asym(fmt) ? VSET1(m[jj]) : VZERO();
-                for (int i = 0; i < NV; i++) {
-                    /* GGUF scales have 11 (Q4_K: 17) significant bits, codes 4: d * q is exact
-                     * in fp32, so one FMA rounds as the twin's multiply-then-add does */
-                    vf v = !asym(fmt) ? VMUL(vd, q[u][i])
-                           : fmt == F_INT4 ? VADD(VMUL(vd, q[u][i]), vm) : VFMA(vd, q[u][i], vm);
-                    memcpy(dst + i * VW, &v, sizeof v);
-                }
+                vf v[NV];
+                chunk_values(fmt, d, m, fmt == F_Q4_K ? j : 0, q[u], v);
+                memcpy(out + (int64_t)(b - b0) * be + 32 * j, v, sizeof v);
             }
         }
     }
 }
 
 /* Many rows of x (T >= GEMM_MIN_ROWS): dequantizing a panel of NP weight rows x KC columns into
- * an L1/L2-sized buffer and running a register-blocked float GEMM on it does 4 vector FMAs per
- * 32-element chunk and row of x, where the packed tile above does 8 operations (its scale and
- * offset per chunk): measured 1.3-1.5x the packed tile at 32 rows (benchmarks/quant_matmul.py:
- * SmolLM2's step linears at T = 32, Q4_1, 187-243 ms packed -> 115.6 ms). The weights it uses
- * are exactly the dequantized values, so the result is the float matmul's up to summation order:
- * per (t, n) one vector of partial sums over k in order (lane l: k = l mod VW), its lanes summed
- * at the end -- the same for every t, T >= GEMM_MIN_ROWS, tiling and thread count, but not the
- * packed tile's bits (it scales per chunk). */
-#define GEMM_MIN_ROWS 16  /* measured crossover (SmolLM2's shapes, AVX2): 8 rows packed wins, 32 GEMM 1.3-1.5x */
+ * an L1/L2-sized buffer once and running a register-blocked float GEMM on it decodes each weight
+ * once per panel instead of once per RMAX rows of x (measured 1.3-1.5x the packed tile at 32
+ * rows before the tile computed these same bits). Per (t, n): one vector of partial sums over k
+ * in order (lane l: k = l mod VW), lanes summed at the end -- the packed tile's operations
+ * exactly, so which path a call takes never changes a bit. */
+#define GEMM_MIN_ROWS 16  /* a speed crossover only (SmolLM2's shapes, AVX2) */
 #define NR 3
 #define NP (4 * NR)  /* weight rows per panel: NP / NR micro-tiles of NR */
 #define MR 4    /* rows of x per micro-tile: MR * NR accumulators + MR x vectors + 1 = 16 registers */
@@ -515,7 +532,7 @@ static void run(const job_t *j, int id, int cnt) {
                 const int R = t1 - t < RMAX ? t1 - t : RMAX;
                 /* K slice: R rows of x times the slice stay within ~16 KiB of L1 */
                 const int bps = (4096 / R) / be > 1 ? (4096 / R) / be : 1;
-                const float *xt = j->x + t * j->ldx, *st = j->sx ? j->sx + t * j->sxs : NULL;
+                const float *xt = j->x + t * j->ldx;
                 for (int n = p0; n < p1; n++)
                     for (int r = 0; r < R; r++) acc[n - p0][r] = VZERO();
                 for (int b = 0; b < nb; b += bps) {
@@ -525,14 +542,13 @@ static void run(const job_t *j, int id, int cnt) {
                         for (; n + NW <= p1; n += NW) {
                             row_t rs[NW];
                             for (int i = 0; i < NW; i++) rs[i] = job_row(j, n + i);
-                            ROWS_FNS[j->fmt](rs, b, b1, xt, st, acc[n - p0], RMAX);
+                            ROWS_FNS[j->fmt](rs, b, b1, xt, acc[n - p0], RMAX);
                         }
                     for (; n < p1; n++) {
                         const row_t r = job_row(j, n);
                         for (int i = 3, r0 = 0; i >= 0; i--)  /* R as 8 + 4 + 2 + 1 */
                             if (R & (1 << i)) {
-                                fns[i](&r, b, b1, xt + r0 * j->ldx, j->ldx, st ? st + r0 * j->sxs : NULL, j->sxs,
-                                       acc[n - p0] + r0);
+                                fns[i](&r, b, b1, xt + r0 * j->ldx, j->ldx, acc[n - p0] + r0);
                                 r0 += 1 << i;
                             }
                     }
@@ -564,17 +580,6 @@ static int team_size(int T, int N, int K, int threads) {
     return nt;
 }
 
-/* Lane sums of x's chunks (formats with an offset): sx[t * sxs + c * VW ...] = lanesum32(chunk c of row t). */
-static void lane_sums(const float *x, int64_t ldx, int T, int64_t nch, float *sx, int64_t sxs) {
-    for (int t = 0; t < T; t++)
-        for (int64_t c = 0; c < nch; c++) {
-            const vf v = lanesum32(x + t * ldx + 32 * c);
-            memcpy(sx + t * sxs + c * VW, &v, sizeof v);
-        }
-}
-
-#define SX_STACK 512  /* chunks of lane sums kept on the stack (16-32 KiB) */
-
 /* out[n * ldo + k] = the weight's values as fp32 for rows [0, N). For large T a float matmul
  * (MKL) on these beats the packed kernel; see kernels/quant.py. */
 int zs_dequantize_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
@@ -593,30 +598,17 @@ int zs_dequantize_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *
     return 0;
 }
 
-/* The job of one call (arguments checked by check_args): x's lane sums go to sx_stack when they
- * fit, else to the heap (release() frees them). Returns 0, or -2 when out of memory. */
-static int prepare(job_t *job, int fmt, int gshift, const uint8_t *w, int64_t w_stride, const float *scales,
-                   const float *mins, int64_t s_stride, const float *x, int64_t ldx, float *y, int64_t ldy, int T,
-                   int N, int K, vf *sx_stack) {
-    const int64_t nch = K / 32, sxs = nch * VW;
-    float *sx = NULL;
-    if (asym(fmt) && T < GEMM_MIN_ROWS) {  /* the GEMM path does not use them */
-        sx = T * nch <= SX_STACK ? (float *)sx_stack : (float *)malloc(sizeof(vf) * T * nch);
-        if (sx == NULL) return -2;
-        lane_sums(x, ldx, T, nch, sx, sxs);
-    }
-    *job = (job_t){fmt, gshift, T, N, K, w, w_stride, s_stride, ldx, ldy, sxs, scales, mins, x, sx, y, 0};
-    return 0;
-}
-
-static void release(const job_t *job, const vf *sx_stack) {
-    if (job->sx != (const float *)sx_stack) free((void *)job->sx);
+/* The job of one call (arguments checked by check_args). */
+INLINE job_t make_job(int fmt, int gshift, const uint8_t *w, int64_t w_stride, const float *scales,
+                      const float *mins, int64_t s_stride, const float *x, int64_t ldx, float *y, int64_t ldy,
+                      int T, int N, int K) {
+    return (job_t){.fmt = fmt, .gshift = gshift, .T = T, .N = N, .K = K, .w = w, .w_stride = w_stride,
+                   .s_stride = s_stride, .ldx = ldx, .ldy = ldy, .scales = scales, .mins = mins, .x = x, .y = y};
 }
 
 /* One thread's share (thread `id` of a team of `threads`) of the matmul below, for callers that
  * run their own team (csrc/decode_step.c: one team per step, not one per matmul). The shares of
- * ids 0 .. threads-1 together give exactly the result of zs_qmatmul_f32 with `threads`; each
- * thread takes x's lane sums itself (the same values; cheaper than a barrier). */
+ * ids 0 .. threads-1 together give exactly the result of zs_qmatmul_f32 with `threads`. */
 int zs_qmatmul_f32_part(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
                         int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
                         int T, int N, int K, int threads, int id) {
@@ -625,18 +617,14 @@ int zs_qmatmul_f32_part(int fmt, const uint8_t *w, int64_t w_stride, const float
     if (T == 0 || N == 0) return 0;
     const int nt = team_size(T, N, K, threads);
     if (id >= nt) return 0;
-    vf sx_stack[SX_STACK];
-    job_t job;
-    if (prepare(&job, fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K, sx_stack) != 0)
-        return -2;
+    const job_t job = make_job(fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K);
     run(&job, id, nt);  /* K == 0: no blocks, zeros */
-    release(&job, sx_stack);
     return 0;
 }
 
 /* y[t * ldy + n] = sum_k x[t * ldx + k] * w[n, k] for t < T, n < N.
  * w: row n at w + n * w_stride bytes; scales / mins (INT8, INT4): row n at + n * s_stride floats.
- * Returns 0, -1 for arguments the format does not allow, -2 when out of memory. */
+ * Returns 0, or -1 for arguments the format does not allow. */
 int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *scales, const float *mins,
                    int64_t s_stride, int group, const float *x, int64_t ldx, float *y, int64_t ldy,
                    int T, int N, int K, int threads) {
@@ -644,11 +632,7 @@ int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *sca
     if (gshift < 0) return -1;
     if (T == 0 || N == 0) return 0;
     const int nt = team_size(T, N, K, threads);
-    /* lane sums of x's chunks for the formats with an offset: one pass over x, before the threads */
-    vf sx_stack[SX_STACK];
-    job_t job;
-    if (prepare(&job, fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K, sx_stack) != 0)
-        return -2;
+    const job_t job = make_job(fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K);
     if (nt == 1) {
         run(&job, 0, 1);  /* no team for small matmuls: a fork costs microseconds */
     } else {
@@ -661,7 +645,6 @@ int zs_qmatmul_f32(int fmt, const uint8_t *w, int64_t w_stride, const float *sca
 #endif
         }
     }
-    release(&job, sx_stack);
     return 0;
 }
 

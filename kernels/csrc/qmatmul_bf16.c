@@ -5,7 +5,7 @@
  *
  * Why: a decode step of 8-64 rows is compute-bound in the fp32 GEMM path above (dequantize a
  * panel, 16 multiply-adds per vector instruction), while reading bf16 weight copies from memory
- * (kernels/bf16.py's panels) costs 2 bytes a weight against Q4_1's 0.6. Here the packed bytes are
+ * costs 2 bytes a weight against Q4_1's 0.6. Here the packed bytes are
  * read (as the fp32 path reads them), each panel is dequantized and rounded to bf16 in L1/L2, and
  * AVX-512 BF16's VDPBF16PS does 32 multiply-adds per instruction into fp32 accumulators.
  * Measured (SmolLM2's gate/up 3072x576 Q4_1, 16 rows, one EPYC core, cache-hot): 0.56 ms against
@@ -14,7 +14,8 @@
  * Where the CPU has no AVX-512 BF16 the same values (x and the panel rounded to bf16, held as
  * fp32) go through the fp32 GEMM above: identical products, a different summation order, so
  * every machine computes (and tests) this regime; only the speed is native's.
- * Batch- and thread-invariant like the other regimes: per (t, n) one chain over k in order.
+ * Batch- and thread-invariant at every T (one code path per build): per (t, n) one chain over k in
+ * order. Native and emulated sum in other orders: two numeric modes (services/worker/numerics.py).
  */
 
 #if ISA == 2 && defined(__AVX512BF16__) && !defined(ZS_QM_NO_BF16)
@@ -228,8 +229,7 @@ static int run_bf16(const job_t *j, int id, int cnt) {
 static int bf16_job(job_t *job, BF16_ARGS) {
     const int gshift = check_args(fmt, scales, mins, group, T, N, K);
     if (gshift < 0) return -1;
-    *job = (job_t){.fmt = fmt, .gshift = gshift, .T = T, .N = N, .K = K, .w = w, .w_stride = w_stride,
-                   .s_stride = s_stride, .ldx = ldx, .ldy = ldy, .scales = scales, .mins = mins, .x = x, .y = y};
+    *job = make_job(fmt, gshift, w, w_stride, scales, mins, s_stride, x, ldx, y, ldy, T, N, K);
     return T == 0 || N == 0 ? 0 : team_size(T, N, K, threads);
 }
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP gateway over one `AsyncClient` to the scheduler.
 
-`/v1/completions` and `/v1/chat/completions` are plain ASGI handlers (completions.py: the
+`/v1/completions`, `/v1/chat/completions`, `/v1/responses` (responses.py), `/v1/messages`
+(anthropic.py) and `/v1/embeddings` (embeddings.py) are plain ASGI handlers (completions.py: the
 streaming hot path skips FastAPI and Starlette's StreamingResponse); the other endpoints are
 FastAPI routes. The chat template is applied in the scheduler (`AsyncClient.chat`), so HTTP
 and ZeroMQ clients get the same prompt. Errors are OpenAI error objects with the status the
@@ -35,7 +36,7 @@ from zeroserve.common.config import GatewayArgs
 from zeroserve.common.errors import InvalidRequest, ZeroserveError
 from zeroserve.common.log import get_logger
 from zeroserve.common.memory import freeze_startup_heap
-from zeroserve.services.gateway import completions
+from zeroserve.services.gateway import anthropic, completions, embeddings, responses
 from zeroserve.services.gateway.completions import now as _now
 from zeroserve.services.gateway.errors import (
     RETRY_AFTER_S,
@@ -75,14 +76,16 @@ class Outer:
             await send(msg)
 
         headers = dict(scope.get("headers", []))
+        route = ROUTES.get(path)
+        shape = route.error if route is not None else api_error  # Anthropic's paths answer its error shape
         try:
             if self.key is not None and (path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize")):
-                scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-                    return await APIError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
-                                          "AuthenticationError", "invalid_api_key").send(counting_send)
-            too_big = APIError(413, f"the request body is larger than {self.limit} bytes (--max-body-bytes)",
-                               "BadRequestError", "request_too_large")
+                if not self._authorized(headers):
+                    return await shape(APIError(401, "invalid or missing API key: send `Authorization: Bearer KEY` "
+                                                     "or `x-api-key: KEY`", "AuthenticationError",
+                                                "invalid_api_key")).send(counting_send)
+            too_big = shape(APIError(413, f"the request body is larger than {self.limit} bytes (--max-body-bytes)",
+                                     "BadRequestError", "request_too_large"))
             length = headers.get(b"content-length", b"")
             if self.limit and length.isdigit() and int(length) > self.limit:
                 return await too_big.send(counting_send)
@@ -99,8 +102,8 @@ class Outer:
 
             self.gw.in_progress.inc()
             try:
-                if path in completions.PATHS:
-                    await completions.handle(self.gw, scope, counted, counting_send, send)
+                if route is not None:
+                    await completions.handle(self.gw, scope, counted, counting_send, send, route)
                 else:
                     await self.app(scope, counted, counting_send)
             except BodyTooLarge:
@@ -109,6 +112,13 @@ class Outer:
                 self.gw.in_progress.dec()
         finally:
             self.gw.http_requests.labels(label, status[0]).inc()
+
+    def _authorized(self, headers: dict) -> bool:
+        """The key as a bearer token (OpenAI's SDKs) or as `x-api-key` (Anthropic's)."""
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
 
 
 # ================================================================ state
@@ -310,6 +320,14 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
         return {"id": name, "object": "model", "created": _now(), "owned_by": "zeroserve",
                 "max_model_len": m.get("max_model_len")}
 
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return await responses.get_response(gw, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete_response(gw, response_id)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         model = await gw.resolve_model(req.model)
@@ -338,5 +356,7 @@ def create_app(cfg: GatewayArgs, client_factory=None) -> FastAPI:
     return Outer(app, cfg, gw)
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-               "/detokenize", "/", "/cluster", "/api/cluster"}
+# the POST endpoints served by completions.handle (streamed or whole), each with its error shape
+ROUTES = {**completions.ROUTES, **responses.ROUTES, **anthropic.ROUTES, **embeddings.ROUTES}
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/", "/cluster", "/api/cluster",
+               *ROUTES}

@@ -18,7 +18,8 @@ import asyncio
 import collections
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -39,7 +40,6 @@ from zeroserve.services.gateway.tools import assistant_message, tool_parser
 
 log = get_logger("gateway")
 
-PATHS = ("/v1/completions", "/v1/chat/completions")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 _DONE = b"data: [DONE]\n\n"
 
@@ -125,19 +125,37 @@ def _sse(obj: Any) -> bytes:
 
 
 # ================================================================ the ASGI handler
-async def handle(gw, scope, receive, send, chunk_send=None) -> None:
-    """One request to either path (Outer routes them here). `chunk_send`, if given, takes the
-    streamed chunks after the response start went through `send` (Outer's counting wrapper
-    only needs to see the status)."""
+@dataclass(frozen=True)
+class Route:
+    """One streamed-or-whole POST endpoint served by `handle`: `run(gw, body)` answers a dict (a
+    whole JSON response) or (the SSE chunks, the cluster streams, their first deltas); `error`
+    shapes an error as the endpoint's API expects (OpenAI's error object by default)."""
+
+    run: Callable[[Any, bytes], Awaitable[Any]]
+    error: Callable[[BaseException], APIError] = api_error
+
+
+def parse_body(model, body: bytes):
+    """The body as the pydantic `model`, or a 400 naming the wrong fields."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+async def handle(gw, scope, receive, send, chunk_send=None, route: Route | None = None) -> None:
+    """One request to a Route (Outer routes them here; None: this module's own by path).
+    `chunk_send`, if given, takes the streamed chunks after the response start went through
+    `send` (Outer's counting wrapper only needs to see the status)."""
     started = time.perf_counter()
+    route = route or ROUTES[scope["path"]]
     if scope["method"] != "POST":
-        return await APIError(405, f"{scope['method']} is not allowed on {scope['path']}; use POST",
-                              "BadRequestError", "method_not_allowed").send(send)
+        return await route.error(APIError(405, f"{scope['method']} is not allowed on {scope['path']}; use POST",
+                                          "BadRequestError", "method_not_allowed")).send(send)
     body = await _read_body(receive)
     if body is None:
         return  # the client left before its body arrived
-    chat = scope["path"] == "/v1/chat/completions"
-    await _until_disconnect(receive, _respond(gw, chat, body, send, chunk_send or send, started))
+    await _until_disconnect(receive, _respond(gw, route, body, send, chunk_send or send, started))
 
 
 async def _read_body(receive) -> bytes | None:
@@ -151,20 +169,16 @@ async def _read_body(receive) -> bytes | None:
             return b"".join(parts)
 
 
-async def _respond(gw, chat: bool, body: bytes, send, chunk_send, started: float) -> None:
+async def _respond(gw, route: Route, body: bytes, send, chunk_send, started: float) -> None:
     try:
-        try:
-            req = (ChatCompletionRequest if chat else CompletionRequest).model_validate_json(body)
-        except ValidationError as e:
-            raise validation_error(e.errors(include_url=False)) from None
-        result = await (_chat(gw, req) if chat else _completions(gw, req))
+        result = await route.run(gw, body)
     except (APIError, ZeroserveError) as e:
-        return await api_error(e).send(send)
+        return await route.error(e).send(send)
     except (asyncio.CancelledError, BodyTooLarge):
         raise
     except Exception as e:
         log.exception("request failed")
-        return await api_error(e).send(send)
+        return await route.error(e).send(send)
     if isinstance(result, dict):
         return await send_json(send, result)
     chunks, streams, firsts = result
@@ -220,9 +234,10 @@ async def _until_disconnect(receive, coro):
 
 
 # ================================================================ completions
-async def _completions(gw, req: CompletionRequest):
+async def _completions(gw, body: bytes):
     """A whole response (dict) or, for stream: true, (the SSE chunks, the cluster streams, their
     first deltas) once the first deltas came."""
+    req = parse_body(CompletionRequest, body)
     model = await gw.resolve_model(req.model)
     prompts = req.prompts()
     sp, unset = req.sampling_params(), req.model_defaults()
@@ -300,7 +315,8 @@ async def _completions(gw, req: CompletionRequest):
 
 
 # ================================================================ chat
-async def _chat(gw, req: ChatCompletionRequest):
+async def _chat(gw, body: bytes):
+    req = parse_body(ChatCompletionRequest, body)
     model = await gw.resolve_model(req.model)
     sp, unset = req.sampling_params(), req.model_defaults()
     sp.model = model
@@ -367,6 +383,9 @@ async def _chat(gw, req: ChatCompletionRequest):
         yield b"".join(out)
 
     return events(), streams, firsts
+
+
+ROUTES = {"/v1/completions": Route(_completions), "/v1/chat/completions": Route(_chat)}
 
 
 # ================================================================ streams

@@ -18,7 +18,6 @@ import itertools
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -27,37 +26,23 @@ from zeroserve.common import messages as P
 from zeroserve.common.codec import check_version
 from zeroserve.common.errors import InvalidRequest, Overloaded, RequestTimeout, ZeroserveError
 from zeroserve.common.log import LogBudget, get_logger
-from zeroserve.common.sampling_params import with_model_defaults
-from zeroserve.services.scheduler.admission import (
-    check_params_for_model,
-    check_prompt_ids,
-    check_text_size,
-    fan_out,
-    split_prompt,
-)
+from zeroserve.common.prompts import check_prompt_ids, check_text_size, split_prompt
+from zeroserve.common.sampling_params import SamplingParams, with_model_defaults
+from zeroserve.services.scheduler.admission import check_params_for_model, fan_out
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
 from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
 from zeroserve.services.scheduler.metrics import SchedulerMetrics
+from zeroserve.services.scheduler.models import ModelInfo
 from zeroserve.services.scheduler.outbox import Outbox
 from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
     from zeroserve.common.config import SchedulerConfig
-    from zeroserve.common.model_config import ModelConfig
 
 log = get_logger("scheduler")
 _PEER_ERROR_LOG = LogBudget("peer error / second detokenizer")  # hostile peers send these by the thousand
 
 Handler = Callable[[bytes, Any, float], Outbox]
-
-
-@dataclass
-class ModelInfo:
-    name: str
-    cfg: ModelConfig
-    tokenizer: object = None  # unused by the state: the shell tokenizes (service.py)
-    sampling_defaults: dict = field(default_factory=dict)  # for the fields a Submit leaves unset
-    tool_call_parser: str = ""  # set by the shell once the tokenizer (and so the template) is known
 
 
 class Rate(NamedTuple):
@@ -86,6 +71,10 @@ class Cluster:
         self.rate_window: list[Rate] = []
         self.last_checks = 0.0
         self.last_stats = 0.0
+        # pipelining: a group's next step leaves before this result's outputs are routed, so the
+        # scheduler's work overlaps the workers' compute. The in-process engine turns it off: one
+        # thread does both, and a stop string then ends its request before the next step is built
+        self.overlap = True
         self.metrics = SchedulerMetrics(max((m.cfg.max_position_embeddings for m in models.values()), default=1),
                                         list(models))
         self.delivery.metrics = self.metrics
@@ -120,9 +109,12 @@ class Cluster:
             raise Overloaded(f"the cluster holds {len(self.live)} requests (max_queue_len); retry later "
                              "or add workers")
         params = with_model_defaults(m.params, m.model_defaults, self.models[model].sampling_defaults)
+        pooling = None
+        if m.kind == "embed":  # a prefill whose answer is a vector: its own params, the model's pooling
+            params, pooling = SamplingParams(max_tokens=1, model=model), m.pooling or self.models[model].pooling
         key = str(next(self.keys))
         self.live[key] = Live(key, m.request_id, ident, model, params, [], [], created=now,
-                              deadline=now + m.timeout_s if m.timeout_s else None)
+                              deadline=now + m.timeout_s if m.timeout_s else None, pooling=pooling)
         self.by_client[(ident, m.request_id)] = key
         so = params.structured_outputs  # its grammar compiles in the shell's pool, with the prompt
         if m.prompt_token_ids is not None and so is None:
@@ -200,6 +192,8 @@ class Cluster:
         check_params_for_model(live.params, vocab)
         live.prompt_ids = ids
         live.seqs = [Seq(r) for r in fan_out(live.key, ids, live.params, self.rng, max_len, grammar)]
+        for s in live.seqs:
+            s.req.pooling = live.pooling
         self.delivery.add(live)
         self.metrics.admitted(live)
         self._route(live)
@@ -311,9 +305,8 @@ class Cluster:
                 return ob
             if events is not None:
                 self.metrics.step(g, inflight.step, inflight.sent_at, self.delivery)
-                # overlap: the next step goes first in the outbox, so the group computes it
-                # while the shell routes this result's outputs
-                self.groups.dispatch(g, now, ob)
+                if self.overlap:  # the next step goes first in the outbox, so the group
+                    self.groups.dispatch(g, now, ob)  # computes it while the shell routes outputs
                 self._accept(events, now)
         return ob
 
@@ -365,6 +358,11 @@ class Cluster:
             g.policy.finish_request(s.req.req_id, "stop", stop)
 
     def _accept(self, events, now: float) -> None:
+        if any(ev.embedding is not None for ev in events):
+            for live in self.delivery.embedded(events, now):  # their one Output goes to the client now
+                self.metrics.finished(live, now)
+                self._forget(live)
+            events = [ev for ev in events if ev.embedding is None]
         n = self.delivery.accept(events)
         self.tokens_total += n
         self.rate_window.append(Rate(now, n))
@@ -434,6 +432,7 @@ class Cluster:
         return {
             "scheduler_id": self.id, "uptime_s": round(now - self.started, 3), "addresses": self.addresses,
             "models": list(self.models), "groups": self.groups.stats(now), "requests": len(self.live),
+            "numeric_modes": dict(self.groups.model_modes), "refused": list(self.groups.refusals),
             "queue": len(self.pending), "tokens_total": self.tokens_total,
             "tokens_per_s": round(self.tokens_per_s(now), 2),
             "detokenizer": {"connected": self.delivery.detok is not None,

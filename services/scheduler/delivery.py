@@ -58,6 +58,7 @@ class Live:
     deadline: float | None = None
     created: float = 0.0
     sent_first: bool = False
+    pooling: str | None = None  # an embedding request: no text, the detokenizer never sees it
 
 
 class SeqRef(NamedTuple):
@@ -109,12 +110,33 @@ class Delivery:
         """A request just admitted: index its sequences, introduce them to the detokenizer."""
         for s in live.seqs:
             self.seq_index[s.req.req_id] = SeqRef(live, s)
-            self.detok_new.append(self._detok_request(live, s))
+            if live.pooling is None:
+                self.detok_new.append(self._detok_request(live, s))
+
+    def embedded(self, events: list[TokenEvent], now: float) -> list[Live]:
+        """Embedding requests the policy finished: one Output each with the vector (the
+        detokenizer has no part in them); returns their requests, which have ended."""
+        out = []
+        for ev in events:
+            ref = self.seq_index.get(ev.req.req_id) if ev.embedding is not None else None
+            if ref is None or ref.seq.done:
+                continue
+            live, s = ref
+            self.output(live, s, [], "", "stop", None, now=now)
+            self.out_buf[live.client][-1].embedding = np.asarray(ev.embedding, np.float32)
+            s.done = True
+            out.append(live)
+        return out
 
     def remove(self, live: Live) -> None:
         for s in live.seqs:
             self.seq_index.pop(s.req.req_id, None)
             self.detok_tokens.pop(s.req.req_id, None)
+        # admitted and gone within one loop turn: never introduce it to the detokenizer (its
+        # DetokFree went out first, so the state a late DetokNew made would never be freed)
+        if self.detok_new:
+            gone = {s.req.req_id for s in live.seqs}
+            self.detok_new = [d for d in self.detok_new if d.req_id not in gone]
 
     def get(self, req_id: str) -> SeqRef | None:
         return self.seq_index.get(req_id)
@@ -201,7 +223,7 @@ class Delivery:
         self.detok_tokens.clear()
         for live in lives:
             for s in live.seqs:
-                if s.done or not live.prompt_ids:
+                if s.done or not live.prompt_ids or live.pooling is not None:
                     continue
                 self.detok_new.append(self._detok_request(live, s, replay=True))
                 s.sent = s.delivered
@@ -222,7 +244,7 @@ class Delivery:
         ids, toks, reasons, entry = [], [], [], {}
         for rid, p in self.detok_tokens.items():
             s = self.seq_index[rid].seq
-            new = s.req.output_token_ids[s.sent:s.sent + p.count]
+            new = s.req.output_slice(s.sent, s.sent + p.count)
             ids.append(rid)
             toks.append(new[:-1] if s.hide_last and p.reason is not None and new else new)
             reasons.append(p.reason)
@@ -264,20 +286,22 @@ class Delivery:
         if entry is None:
             return []
         ended: dict[str, Live] = {}
-        for rid, text, stop_str in zip(m.req_ids, m.text_deltas, m.stop_strs):
+        for i, (rid, text, stop_str) in enumerate(zip(m.req_ids, m.text_deltas, m.stop_strs)):
             ref = self.seq_index.get(rid)
             if ref is None or rid not in entry:
                 continue
             live, s = ref
             if s.done:
                 continue
-            reason = entry[rid].reason
+            reason, count = entry[rid].reason, entry[rid].count
             if stop_str is not None:
                 stop(live, s, stop_str)
                 reason = "stop"
                 s.req.finish_reason, s.req.stop_reason = "stop", stop_str
+                if m.stop_tokens and 0 <= m.stop_tokens[i] < count:
+                    count = m.stop_tokens[i]  # the output ends on the token that completed the stop string
             start = s.delivered
-            toks = s.req.output_token_ids[start:start + entry[rid].count]
+            toks = s.req.output_slice(start, start + count)
             s.delivered += len(toks)
             s.chars += len(text)
             self.output(live, s, toks, text, reason, s.req.stop_reason if reason == "stop" else None, start, now)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -29,7 +29,7 @@ from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
     from zeroserve.common.config import SchedulerConfig
-    from zeroserve.services.scheduler.cluster import ModelInfo
+    from zeroserve.services.scheduler.models import ModelInfo
 
 log = get_logger("scheduler")
 _REFUSED_LOG = LogBudget("refused a peer")  # hostile peers can send these by the thousand
@@ -45,6 +45,7 @@ MAX_GONE_GROUPS = 64  # gone groups kept for a look (tests, logs); older ones ar
 # workers whose group we gave up, remembered so a worker back from a partition hears "we dropped
 # you (why)" rather than guessing at a restart; bounded: a peer churning ids costs a fixed size
 MAX_GIVEN_UP = 1024
+MAX_REFUSALS_SHOWN = 16  # the latest refusals `status` lists
 
 
 class BadStepResult(InvalidRequest):
@@ -138,6 +139,10 @@ class Groups:
         self.shard_of: dict[str, ShardRef] = {}  # worker_id -> where it sits
         self.failovers: dict[str, int] = {}  # live request key -> groups that died under it
         self.given_up: OrderedDict[str, str] = OrderedDict()  # worker_id -> why its group was given up
+        # model -> the numeric mode its first shard reported, fixed for this scheduler's life: a
+        # request that fails over (or waits through a restart of every group) is computed alike
+        self.model_modes: dict[str, str] = {}
+        self.refusals: deque[dict] = deque(maxlen=MAX_REFUSALS_SHOWN)  # for `status`
 
     # ================================================================ lookups
     def get(self, name: str | None) -> Group | None:
@@ -171,9 +176,10 @@ class Groups:
         return m
 
     # ================================================================ joining
-    def refuse(self, ident: bytes, reason: str, ob: Outbox) -> None:
+    def refuse(self, ident: bytes, reason: str, ob: Outbox, worker_id: str = "") -> None:
         if _REFUSED_LOG.allow(time.monotonic()):
-            log.warning("refused a peer", reason=reason)
+            log.warning("refused a peer", reason=reason, worker=worker_id)
+        self.refusals.append({"worker_id": worker_id, "reason": reason, "at": time.time()})
         ob.to_backend(ident, P.Welcome(status="refused", detail=reason, scheduler_id=self.scheduler_id))
 
     def hello(self, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> list[Request]:
@@ -186,9 +192,9 @@ class Groups:
         if h.block_size <= 0 or h.num_kv_blocks <= 0:
             self.refuse(ident, "a worker must report its KV capacity (num_kv_blocks, block_size)", ob)
             return []
-        reason = self._implausible(h)
+        reason = self._implausible(h) or self._other_mode(h)
         if reason:
-            self.refuse(ident, reason, ob)
+            self.refuse(ident, reason, ob, h.worker_id)
             return []
         orphans: list[Request] = []
         if h.worker_id in self.shard_of:
@@ -243,8 +249,21 @@ class Groups:
                     f"{MAX_KV_BYTES >> 40} TiB of KV cache; report the real capacity")
         return None
 
+    def _other_mode(self, h: P.Hello) -> str | None:
+        """Why a shard's numeric mode may not serve its model here (None: it may)."""
+        have = self.model_modes.get(h.model)
+        if have is None or have == h.numeric_mode:
+            return None
+        return (f"numeric mode {h.numeric_mode or '(none reported)'!r} differs from {have!r}, which serves model "
+                f"{h.model!r} here: a request moving between them would change tokens; start this worker with "
+                "the same --dtype / --matmul-dtype / --kv-cache-dtype / --quantization on a CPU of the same "
+                "kernel build (or restart the scheduler to change the model's mode)")
+
     def _join(self, g: Group, ident: bytes, h: P.Hello, now: float, ob: Outbox) -> None:
         self.given_up.pop(h.worker_id, None)
+        if h.model not in self.model_modes:
+            self.model_modes[h.model] = h.numeric_mode
+            log.info("model numeric mode fixed", model=h.model, mode=h.numeric_mode, by=h.worker_id)
         rank = h.group_rank
         g.shards[rank] = Shard(h, ident, now)
         self.shard_of[h.worker_id] = ShardRef(g.name, rank)
@@ -360,10 +379,22 @@ class Groups:
             r = reqs.get(rid)
             due.append(None if r is None else end == r.num_tokens)  # None: ended meanwhile, either way
         due += [n.num_computed_tokens + n.num_scheduled_tokens == n.token_ids.shape[0] for n in step.new_reqs]
+        # an embedding request is due its vector where others are due a sample, and never samples
+        embeds = set(m.embed_req_ids)
         for rid, d, t in zip(ids, due, tok.tolist()):
-            if d is not None and d != (t >= 0):
+            r = reqs.get(rid)
+            if r is not None and r.pooling is not None:
+                if t >= 0 or (d is not None and d != (rid in embeds)):
+                    return f"has no embedding or a sample for embedding request {rid!r} (due one: {d})"
+                embeds.discard(rid)
+            elif d is not None and d != (t >= 0):
                 return (f"has {'no sample' if d else f'a sample ({t})'} for request {rid!r}, which "
                         f"{'was due one' if d else 'was not due one'}")
+        if embeds - {rid for rid, d in zip(ids, due) if d is None}:
+            return f"has embeddings for requests that are no embedding requests of the step: {sorted(embeds)[:4]}"
+        hidden = self.models[g.model].cfg.hidden_size
+        if m.embeddings is not None and m.embeddings.shape[1] != hidden:
+            return f"has embeddings of width {m.embeddings.shape[1]}; the model's hidden size is {hidden}"
         return check_spec_result(step.lookahead(), m, vocab) or grammar_violation(step, m)
 
     def gone(self, g: Group, reason: str, ob: Outbox) -> list[Request]:
@@ -457,6 +488,7 @@ class Groups:
             ps = g.policy.stats() if g.policy else {}
             out.append({
                 "name": g.name, "model": g.model, "state": g.state.value, "tp_size": g.tp_size, "pp_size": g.pp_size,
+                "numeric_mode": next(iter(g.shards.values())).hello.numeric_mode if g.shards else "",
                 "steps": g.steps, "tokens": g.tokens, **ps,
                 "workers": [{
                     "worker_id": s.hello.worker_id, "rank": r, "tp_rank": s.hello.tp_rank, "stage": s.hello.pp_rank,

@@ -8,8 +8,9 @@ that touches them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from zeroserve.common.chat import chat_prompt
 from zeroserve.common.messages import Message
 
 CLIENT, BACKEND, STEPS, EVENTS = "client", "backend", "steps", "events"  # the four sockets
@@ -33,6 +34,19 @@ class TokenizeJob(NamedTuple):
     ids: list[int] | None = None  # already tokenized: the job only compiles the constraint
     constraint: object = None  # StructuredOutputsParams: compiled in the same job
     tools: list[dict] | None = None  # chat: function definitions for the template
+
+    def run(self, tokenizer: Callable[[], Any], chat_template: str | None,
+            grammars: Any) -> tuple[str | None, list[int], object]:
+        """(prompt text, token ids, compiled constraint or None): the scheduler process runs this
+        in its pool, the in-process engine inline. `tokenizer()` may block while it loads (and
+        is not called for token ids without a chat template)."""
+        text, ids = self.text, self.ids
+        if ids is None and self.messages is not None:  # the chat template, here for every client alike
+            text, ids = chat_prompt(tokenizer(), self.messages, chat_template, self.tools)
+        elif ids is None:
+            ids = tokenizer().encode(text)
+        # the grammar compiles here too, off the loop (xgrammar releases the GIL), cached
+        return text, ids, (grammars.compile(self.constraint) if self.constraint is not None else None)
 
 
 class Outbox:

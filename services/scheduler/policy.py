@@ -21,7 +21,7 @@ import bisect
 from dataclasses import dataclass
 
 from zeroserve.common.errors import InvalidRequest
-from zeroserve.services.scheduler.admission import check_prompt_length
+from zeroserve.common.prompts import check_prompt_length
 import numpy as np
 
 from zeroserve.common.messages import CachedRequests, NewRequest, Step, StepResult
@@ -43,6 +43,7 @@ class TokenEvent:
     token_id: int
     logprobs: tuple | None  # (token_ids row, logprobs row, rank) for this token, or None
     finished: bool
+    embedding: np.ndarray | None = None  # an embedding request's pooled state (token_id -1, finished)
 
 
 class _StepBuilder:
@@ -187,7 +188,8 @@ class Scheduler:
                     if wait_for_sibling:
                         j += 1
                         continue
-                    if not req.block_ids:
+                    # an embedding computes its whole prompt: a mean needs every position's state
+                    if not req.block_ids and req.pooling is None:
                         cached = self.bm.lookup(req.token_ids)
                         if cached:
                             self.bm.take_cached(req, cached)
@@ -205,7 +207,7 @@ class Scheduler:
                     req_id=req.req_id, token_ids=np.asarray(req.token_ids, np.int32),
                     num_prompt_tokens=req.num_prompt_tokens, params=req.params, seed=req.seed,
                     block_ids=np.asarray(req.block_ids, np.int32), num_computed_tokens=req.num_computed_tokens,
-                    num_scheduled_tokens=num_new))
+                    num_scheduled_tokens=num_new, pooling=req.pooling))
                 self._commit(req, num_new)
                 out.scheduled(req)
                 budget -= num_new
@@ -288,6 +290,13 @@ class Scheduler:
                 if finished:
                     self._finish(req)
                     break
+        for rid, vec in zip(result.embed_req_ids, result.embeddings if result.embeddings is not None else ()):
+            req = self.requests.get(rid)
+            if req is None or req.status != Status.RUNNING or req.pooling is None:
+                continue  # finished or preempted meanwhile (or no embedding request): dropped
+            req.finish_reason = "stop"
+            events.append(TokenEvent(req, -1, None, True, embedding=vec))
+            self._finish(req)  # no KV kept after the prefill: its blocks go back now
         return events
 
     def _check_stop(self, req: Request, tok: int) -> bool:

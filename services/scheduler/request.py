@@ -25,7 +25,7 @@ class Request:
         "req_id", "client_id", "index", "params", "seed", "priority", "arrival_time",
         "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "status", "finish_reason", "stop_reason", "max_len",
-        "siblings", "constraint", "num_released",
+        "siblings", "constraint", "num_released", "pooling",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -57,6 +57,8 @@ class Request:
         # sliding-window models: leading blocks given back because no layer reads them again
         # (their ids stay in block_ids, so the worker's block table keeps its positions)
         self.num_released = 0
+        # an embedding request ("last" / "mean"): prefill only, it ends with its pooled hidden state
+        self.pooling: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +71,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def output_slice(self, start: int, stop: int) -> list[int]:
+        """Output tokens [start, stop), copying only those (delivery asks every step)."""
+        p = self.num_prompt_tokens
+        return self.token_ids[p + start:p + stop]
 
     @property
     def hides_stop_token_text(self) -> bool:

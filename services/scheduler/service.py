@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from zeroserve.common import messages as P
-from zeroserve.common.chat import chat_prompt, load_chat_template
+from zeroserve.common.chat import load_chat_template
 from zeroserve.common.tool_parsers import PARSERS, parser_for_template
 from zeroserve.common.codec import ProtocolError, group_topic, v1_refusal
 from zeroserve.common.config import SchedulerConfig, from_cli_args
@@ -30,8 +30,9 @@ from zeroserve.common.errors import InvalidRequest, ZeroserveError
 from zeroserve.common.log import LogBudget, get_logger
 from zeroserve.common.memory import Trimmer, freeze_startup_heap
 from zeroserve.common.transport import Channel, is_loopback, make_socket
-from zeroserve.services.scheduler.cluster import Cluster, ModelInfo
-from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
+from zeroserve.services.scheduler.cluster import Cluster
+from zeroserve.services.scheduler.models import load_models
+from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox, TokenizeJob
 from zeroserve.services.scheduler.structured import GrammarCompiler
 
 log = get_logger("scheduler")
@@ -43,22 +44,6 @@ BACKEND_ZMTP_HEARTBEAT_MS = 1000  # a dead backend connection is dropped after 3
 __all__ = ["SchedulerConfig", "SchedulerService", "load_models", "main"]  # SchedulerConfig: re-exported
 
 
-def load_models(dirs: list[str], generation_config: str = "auto") -> dict[str, ModelInfo]:
-    """The served models' configs and sampling defaults (cheap; a directory we cannot serve fails
-    here, at start). Their tokenizers load in the background (`SchedulerService`): transformers
-    takes seconds to import, and a restarted scheduler must answer pings and HELLOs at once."""
-    from zeroserve.common.model_config import ModelConfig, resolve_sampling_defaults
-
-    models = {}
-    for d in dirs:
-        mc = ModelConfig.from_dir(d)
-        defaults = resolve_sampling_defaults(mc, generation_config)
-        if defaults:  # vLLM says this too: a request's unset fields will not be SamplingParams' defaults
-            log.info("sampling defaults from the model's generation config", model=mc.name, **defaults)
-        models[mc.name] = ModelInfo(mc.name, mc, sampling_defaults=defaults)
-    return models
-
-
 class SchedulerService:
     def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
@@ -67,7 +52,7 @@ class SchedulerService:
             raise InvalidRequest(f"--tool-call-parser {cfg.tool_call_parser!r}: use auto or one of {sorted(PARSERS)}")
         self.id = uuid.uuid4().hex[:12]
         self.ctx = ctx or zmq.Context.instance()
-        models = load_models(cfg.models, cfg.generation_config)
+        models = load_models(cfg.models, cfg.generation_config, cfg.pooling)
         self.addrs = addrs = cfg.addresses()
         # CURVE: every bound socket is a CURVE server; the ZAP handler admits by socket (its ZAP
         # domain is its name): client keys on "client", worker and detokenizer keys on "backend"
@@ -271,21 +256,13 @@ class SchedulerService:
         log.info("tokenizer loaded", model=name)
         return tok
 
-    def _tokenize(self, key: str, model: str, text: str | None, messages: list[dict] | None,
-                  ids: list[int] | None = None, constraint=None, tools: list[dict] | None = None) -> None:
-        loading = self.tokenizers[model]
+    def _tokenize(self, job: TokenizeJob) -> None:
+        def run():
+            _text, ids, grammar = job.run(self.tokenizers[job.model].result, self.chat_template,
+                                          self.grammars[job.model])
+            return ids, grammar
 
-        def job():
-            if ids is not None:
-                out = ids
-            elif messages is not None:  # the chat template, here for every client alike
-                out = chat_prompt(loading.result(), messages, self.chat_template, tools)[1]
-            else:
-                out = loading.result().encode(text)
-            # the grammar compiles here too, off the loop (xgrammar releases the GIL), cached
-            return out, (self.grammars[model].compile(constraint) if constraint is not None else None)
-
-        self.pool.submit(job).add_done_callback(lambda f: self._tokenized(key, f))
+        self.pool.submit(run).add_done_callback(lambda f: self._tokenized(job.key, f))
 
     def _tokenized(self, key: str, fut) -> None:  # runs in a pool thread
         try:
@@ -314,7 +291,7 @@ class SchedulerService:
                 if it.on_fail is not None:
                     it.on_fail()
         for job in ob.tokenize:
-            self._tokenize(*job)
+            self._tokenize(job)
 
 
 def main(args) -> int:

@@ -8,6 +8,7 @@ to its own copy of each sequence, so decode steps need no token ids from the sch
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,9 +19,10 @@ from zeroserve.common.model_config import ModelConfig
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.kernels.metadata import AttentionMetadata
 from zeroserve.kernels.dispatch import get_ops, resolve_backend
-from zeroserve.services.worker import matmul_probe
+from zeroserve.services.worker import numerics
 from zeroserve.services.worker.dtype import resolve_dtype, resolve_kv_dtype
 from zeroserve.services.worker.model import load_model
+from zeroserve.services.worker.pooling import Pooler
 from zeroserve.services.worker.sampler import SamplingTensors, sample
 from zeroserve.services.worker.spec_decode import accepted_length, make_speculator, sample_positions
 
@@ -39,6 +41,30 @@ class _ReqState:
         self.num_computed = num_computed
 
 
+@dataclass(slots=True)
+class _Batch:
+    """One step as a flat batch: rows are requests in `step.req_ids()` order, tokens laid end to
+    end (row i owns tokens qsl[i]:qsl[i + 1])."""
+
+    states: list[_ReqState]
+    counts: np.ndarray  # tokens per row this step, drafts included (the verify lowers rejected ones)
+    drafts: dict[int, list[int]]  # row -> draft tokens appended for this forward
+    seq_lens: np.ndarray  # per row: computed tokens after this step
+    qsl: np.ndarray  # query start locations, B + 1
+    T: int  # tokens in the step
+    pure_decode: bool  # every row one decode token plus its drafts
+    row_of_tok: np.ndarray
+    positions: np.ndarray
+    input_ids: np.ndarray
+    table: np.ndarray  # block table, B x max blocks
+    slots: np.ndarray  # KV slot per token
+    sample_rows: np.ndarray  # rows whose sequence is fully computed after this step
+
+    @property
+    def B(self) -> int:
+        return len(self.states)
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, device: str | None = None, pp_rank: int = 0) -> None:
@@ -46,8 +72,7 @@ class ModelRunner:
         self.cfg = model_cfg
         self.device = torch.device(device or args.device)
         self.pp_size = getattr(args, "pp_size", 1)
-        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg, getattr(args, "quantization", None),
-                                   probe=tp_size == 1 and self.pp_size == 1)
+        self.dtype = resolve_dtype(args.dtype, self.device, model_cfg)
         self.backend = resolve_backend(args.attention_backend, self.device)
         self.ops = get_ops(self.backend, self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -69,12 +94,14 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.model.num_layers)
         ]
-        self.matmul_dtype = matmul_probe.configure(self)  # bf16 panels for big steps (CPU), maybe measured
+        self.numeric_mode = ""
+        self.matmul_dtype = numerics.configure(self)  # sets numeric_mode: the same on every start
         self.reqs: dict[str, _ReqState] = {}
         self.eos_token_ids = list(model_cfg.eos_token_ids)
         self.vocab_size = model_cfg.vocab_size
         self.num_steps = 0
         self.spec = make_speculator(args, self)  # None: no speculative decoding
+        self.pooler = Pooler()  # embedding requests (services/worker/pooling.py)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -150,6 +177,7 @@ class ModelRunner:
                 raise ValueError(f"step names request {rid!r}, which this worker does not hold")
             st.block_ids.extend(blocks.tolist())
             st.num_computed = computed
+        self.pooler.apply(step)
 
     def _grammar_rows(self, step: Step, sampled_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sample rows the step's bitmask rows belong to, and the bitmask, on the device."""
@@ -163,12 +191,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
-        """Run one step; the result has one entry per request in `step.req_ids()` order."""
+        """Run one step; the result has one entry per request in `step.req_ids()` order.
+
+        The steps, in order: the scheduler's state deltas (apply_state), the flat inputs with
+        this step's drafts (_prepare_inputs), the forward (_forward), the embedding requests'
+        pooling where they would sample (Pooler.pool), sampling with grammar rows and the
+        speculative verify (_sample), the bookkeeping (_advance). A pipeline stage before the
+        last (services/worker/pipeline.py) passes its layers' output on in _forward and, instead
+        of pooling and sampling, takes the last stage's tokens (_follow)."""
         t0 = time.perf_counter()
         self.apply_state(step)
         req_ids = step.req_ids()
         if not req_ids:
             return StepResult(seq=step.seq)
+        b = self._prepare_inputs(step, req_ids)
+        hidden = self._forward(b)
+        out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=np.full(b.B, -1, np.int32),
+                         num_tokens=b.T)
+        if hidden is None:  # an earlier pipeline stage: the last one pools and samples
+            self._follow(b, out)
+        else:
+            if self.pooler.pooling:  # embedding requests pool their hidden states instead of sampling
+                b.sample_rows = self.pooler.pool(out, req_ids, hidden, b.qsl, b.sample_rows)
+            if len(b.sample_rows):
+                self._sample(step, b, hidden, out)
+        self._advance(b, out, t0)
+        return out
+
+    def _prepare_inputs(self, step: Step, req_ids: list[str]) -> _Batch:
+        """The step as one flat batch: per-row token counts (with drafts), positions, token ids,
+        block tables, slot mapping and the rows that sample."""
         states = [self.reqs[r] for r in req_ids]
         B = len(states)
         bs = self.block_size
@@ -208,92 +260,106 @@ class ModelRunner:
         # which requests produce a token: their sequence is fully computed after this step
         num_tokens = np.fromiter((len(s.token_ids) for s in states), np.int64, B)
         sample_rows = np.nonzero(seq_lens == num_tokens)[0]
+        return _Batch(states, counts, drafts, seq_lens, qsl, T, pure_decode, row_of_tok, positions, input_ids,
+                      table, slots, sample_rows)
 
+    def _forward(self, b: _Batch) -> torch.Tensor | None:
+        """The model over the flat batch: final hidden states, one row per token. A pipeline
+        stage after the first starts from the previous stage's output; one before the last passes
+        its layers' output on and returns None."""
         dev = self.device
-        m_table, m_lens, m_qsl, m_qlen = table, seq_lens, qsl, int(counts.max())
-        if drafts and pure_decode:
+        m_table, m_lens, m_qsl, m_qlen = b.table, b.seq_lens, b.qsl, int(b.counts.max())
+        if b.drafts and b.pure_decode:
             # a decode step with drafts: every token becomes a one-token query with its causal
             # length (the layer writes all K/V before it attends), so the verify runs the decode
             # path (on CPU the compiled step) at batch T instead of the prefill path
-            m_table, m_lens, m_qsl, m_qlen = table[row_of_tok], positions + 1, np.arange(T + 1), 1
+            m_table, m_lens, m_qsl, m_qlen = b.table[b.row_of_tok], b.positions + 1, np.arange(b.T + 1), 1
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(b.slots).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(np.ascontiguousarray(m_table)).to(dev, non_blocking=True),
             seq_lens=torch.from_numpy(m_lens.astype(np.int32)).to(dev, non_blocking=True),
             query_start_loc=torch.from_numpy(m_qsl.astype(np.int32)).to(dev, non_blocking=True),
             max_query_len=m_qlen,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=int(b.seq_lens.max()),
         )
-        hidden = self._forward(torch.from_numpy(input_ids).to(dev, non_blocking=True),
-                               torch.from_numpy(positions).to(dev, non_blocking=True), meta)
-
-        sampled_all = np.full(B, -1, np.int32)
-        out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=sampled_all, num_tokens=T)
-        if len(sample_rows) and hidden is None:  # a pipeline stage before the last: it sampled
-            toks = self.link.recv_tokens(len(sample_rows))
-            for i, t in zip(sample_rows.tolist(), toks.tolist()):
-                states[i].token_ids.append(t)
-            sampled_all[sample_rows] = toks
-        elif len(sample_rows):
-            flat, owner, offs = sample_positions(sample_rows, qsl, drafts)
-            idx = torch.from_numpy(flat).to(dev)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            ss = [states[i] for i in owner.tolist()]
-            # a draft row j samples position base + j after the drafts before it (base: the
-            # length without drafts), with penalties over exactly those tokens
-            ends = [len(s.token_ids) - len(drafts.get(i, ())) + j for s, i, j in zip(ss, owner.tolist(), offs.tolist())]
-            st = SamplingTensors.from_requests(
-                params=[s.params for s in ss],
-                seeds=[s.seed for s in ss],
-                positions=ends,
-                prompt_ids=[s.token_ids[:s.num_prompt_tokens] for s in ss],
-                output_ids=[s.token_ids[s.num_prompt_tokens:e] for s, e in zip(ss, ends)],
-                eos_ids=self.eos_token_ids,
-                device=dev,
-            )
-            if step.token_bitmask is not None:
-                st.bitmask_rows, st.bitmask = self._grammar_rows(step, [req_ids[i] for i in owner.tolist()])
-            res = sample(logits, st)
-            toks = res.sampled.to("cpu", torch.int32).numpy()
-            if drafts:
-                toks, sample_rows = self._verify(out, states, req_ids, drafts, owner, toks, counts)
-            else:
-                for s, t in zip(ss, toks.tolist()):
-                    s.token_ids.append(t)
-            if self.link is not None:  # the last pipeline stage: the earlier ones follow its samples
-                self.link.send_tokens(toks)
-            sampled_all[sample_rows] = toks
-            if res.logprobs is not None:
-                k = res.logprobs.shape[1]
-                out.logprob_token_ids = np.zeros((B, k), np.int32)
-                out.logprobs = np.zeros((B, k), np.float32)
-                out.ranks = np.zeros(B, np.int32)
-                first = np.flatnonzero(offs == 0)  # a request's own row (one per request with logprobs)
-                out.logprob_token_ids[sample_rows] = res.logprob_token_ids[first].to("cpu", torch.int32).numpy()
-                out.logprobs[sample_rows] = res.logprobs[first].float().cpu().numpy()
-                out.ranks[sample_rows] = res.ranks[first].to("cpu", torch.int32).numpy()
-        for s, n in zip(states, counts.tolist()):
-            s.num_computed += n
-        self.num_steps += 1
-        out.step_time_s = time.perf_counter() - t0
-        if self.spec is not None and pure_decode and len(sample_rows) == B:
-            self.spec.timed(B, bool(drafts), out.step_time_s)  # a pure decode step
-        return out
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        """The model's final hidden states for the step; on a pipeline stage before the last,
-        None after passing its layers' output on (services/worker/pipeline.py)."""
+        input_ids = torch.from_numpy(b.input_ids).to(dev, non_blocking=True)
+        positions = torch.from_numpy(b.positions).to(dev, non_blocking=True)
         if self.link is None:
             return self.model(input_ids, positions, self.kv_caches, meta)
         m = self.model
         inter = None
         if not m.stage.first:
-            inter = self.link.recv_hidden(positions.shape[0], self.cfg.hidden_size, self.dtype, m.carries_residual)
+            inter = self.link.recv_hidden(b.T, self.cfg.hidden_size, self.dtype, m.carries_residual)
         hidden = m(input_ids, positions, self.kv_caches, meta, intermediate=inter)
         if m.stage.last:
             return hidden
         self.link.send_hidden(*hidden)
         return None
+
+    def _sample(self, step: Step, b: _Batch, hidden: torch.Tensor, out: StepResult) -> None:
+        """Sample the rows that produce a token (and every draft position), verify the drafts,
+        append the new tokens to the requests and pack tokens and logprobs into `out`."""
+        dev = self.device
+        states, drafts = b.states, b.drafts
+        flat, owner, offs = sample_positions(b.sample_rows, b.qsl, drafts)
+        idx = torch.from_numpy(flat).to(dev)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        ss = [states[i] for i in owner.tolist()]
+        # a draft row j samples position base + j after the drafts before it (base: the
+        # length without drafts), with penalties over exactly those tokens
+        ends = [len(s.token_ids) - len(drafts.get(i, ())) + j for s, i, j in zip(ss, owner.tolist(), offs.tolist())]
+        st = SamplingTensors.from_requests(
+            params=[s.params for s in ss],
+            seeds=[s.seed for s in ss],
+            positions=ends,
+            prompt_ids=[s.token_ids[:s.num_prompt_tokens] for s in ss],
+            output_ids=[s.token_ids[s.num_prompt_tokens:e] for s, e in zip(ss, ends)],
+            eos_ids=self.eos_token_ids,
+            device=dev,
+        )
+        if step.token_bitmask is not None:
+            st.bitmask_rows, st.bitmask = self._grammar_rows(step, [out.req_ids[i] for i in owner.tolist()])
+        res = sample(logits, st)
+        toks = res.sampled.to("cpu", torch.int32).numpy()
+        sample_rows = b.sample_rows
+        if drafts:
+            toks, sample_rows = self._verify(out, states, out.req_ids, drafts, owner, toks, b.counts)
+        else:
+            for s, t in zip(ss, toks.tolist()):
+                s.token_ids.append(t)
+        if self.link is not None:  # the last pipeline stage: the earlier ones follow its samples
+            self.link.send_tokens(toks)
+        out.sampled_token_ids[sample_rows] = toks
+        if res.logprobs is not None:
+            B, k = b.B, res.logprobs.shape[1]
+            out.logprob_token_ids = np.zeros((B, k), np.int32)
+            out.logprobs = np.zeros((B, k), np.float32)
+            out.ranks = np.zeros(B, np.int32)
+            first = np.flatnonzero(offs == 0)  # a request's own row (one per request with logprobs)
+            out.logprob_token_ids[sample_rows] = res.logprob_token_ids[first].to("cpu", torch.int32).numpy()
+            out.logprobs[sample_rows] = res.logprobs[first].float().cpu().numpy()
+            out.ranks[sample_rows] = res.ranks[first].to("cpu", torch.int32).numpy()
+
+    def _follow(self, b: _Batch, out: StepResult) -> None:
+        """A pipeline stage before the last: the tokens the last stage sampled (embedding
+        requests pool there and sample none), appended to this stage's copy of each request."""
+        b.sample_rows = rows = self.pooler.sampling_rows(out.req_ids, b.sample_rows)
+        if not len(rows):
+            return
+        toks = self.link.recv_tokens(len(rows))
+        for i, t in zip(rows.tolist(), toks.tolist()):
+            b.states[i].token_ids.append(t)
+        out.sampled_token_ids[rows] = toks
+
+    def _advance(self, b: _Batch, out: StepResult, t0: float) -> None:
+        """Count the step's tokens as computed (the verify has taken rejected drafts off) and
+        time it; a pure decode step's time feeds the speculator's cost model."""
+        for s, n in zip(b.states, b.counts.tolist()):
+            s.num_computed += n
+        self.num_steps += 1
+        out.step_time_s = time.perf_counter() - t0
+        if self.spec is not None and b.pure_decode and len(b.sample_rows) == b.B:
+            self.spec.timed(b.B, bool(b.drafts), out.step_time_s)  # a pure decode step
 
     # ---- speculative decoding (services/worker/spec_decode.py) --------------------------------
     def _propose(self, step: Step, req_ids: list[str], states: list[_ReqState], counts: np.ndarray) -> dict:

@@ -39,7 +39,7 @@ from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.messages import answering_rank, group_rank  # the numbering is the protocol's
 
 __all__ = ["StageInfo", "StageLink", "answering_rank", "bind_tp_group", "connect", "group_rank", "stage_layers",
-           "stage_runner", "stage_tp_groups"]
+           "stage_tp_groups"]
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -168,18 +168,3 @@ def connect(runner, tp_rank: int, tp_size: int, host: str = "127.0.0.1", wire: s
     if pg is not None:
         bind_tp_group(model, pg)
     runner.link = StageLink(model.stage, tp_rank, tp_size, runner.device, host, wire)
-
-
-def stage_runner(tp_rank: int, tp_size: int, pp_rank: int, wire: str | None = None):
-    """`make_runner` for an in-process LLMEngine that is one shard of a group (tests, benchmarks):
-    every shard runs the same engine, so all get the same steps, as from the scheduler. The
-    group's torch.distributed world must exist."""
-    from zeroserve.services.worker.model_runner import ModelRunner  # (it imports the model, which imports us)
-
-    def make(args, cfg):
-        r = ModelRunner(args, cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank)
-        if r.pp_size > 1:
-            connect(r, tp_rank, tp_size, wire=wire)
-        return r
-
-    return make

@@ -33,7 +33,6 @@ from zeroserve.common.memory import freeze_startup_heap
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.common.transport import Channel, free_port, make_socket
 from zeroserve.services.backend_peer import BackendPeer, Refused
-from zeroserve.services.tiny_model import default_model_dir
 from zeroserve.services.worker import netif, pipeline
 from zeroserve.services.worker.model_runner import ModelRunner
 
@@ -57,6 +56,18 @@ class Rejoin(Exception):
 
 
 DRAINED_WAIT_S = 1.0  # after a Shutdown we did not ask for: how long a "drained" WELCOME may lag it
+
+
+def shard_hello(runner: ModelRunner, args: EngineArgs, model_cfg: ModelConfig, **who) -> P.Hello:
+    """A shard's HELLO: its model and capacity (KV blocks, lookahead, length cap, memory) from
+    its runner, and `who` it is (worker_id, group, ranks, device, host, pid, dist_init_addr).
+    The worker process sends it; the in-process engine hands it to the same state."""
+    mem = P.ShardMemory(rss_bytes=psutil.Process().memory_info().rss, param_bytes=runner.param_bytes(),
+                        kv_bytes=runner.kv_bytes_per_block() * runner.num_blocks)
+    return P.Hello(role="worker", model=model_cfg.name, num_kv_blocks=runner.num_blocks,
+                   block_size=runner.block_size, num_lookahead_tokens=runner.num_lookahead_tokens,
+                   numeric_mode=runner.numeric_mode,
+                   max_model_len=args.max_model_len or model_cfg.max_position_embeddings, memory=mem, **who)
 
 
 class WorkerService:
@@ -144,17 +155,10 @@ class WorkerService:
         return choice.address or self.host
 
     def _hello(self) -> P.Hello:
-        r = self.runner
-        mem = P.ShardMemory(rss_bytes=psutil.Process().memory_info().rss, param_bytes=r.param_bytes(),
-                            kv_bytes=r.kv_bytes_per_block() * r.num_blocks)
-        return P.Hello(role="worker", worker_id=self.worker_id, group=self.group, tp_rank=self.tp_rank,
-                       tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
-                       model=self.model_cfg.name, device=self.device,
-                       host=socket.gethostname(), pid=os.getpid(), num_kv_blocks=r.num_blocks,
-                       block_size=r.block_size, num_lookahead_tokens=r.num_lookahead_tokens,
-                       max_model_len=self.args.max_model_len or
-                       self.model_cfg.max_position_embeddings, memory=mem,
-                       dist_init_addr=self.dist_init_addr if self.rank == 0 else None)
+        return shard_hello(self.runner, self.args, self.model_cfg, worker_id=self.worker_id, group=self.group,
+                           tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+                           device=self.device, host=socket.gethostname(), pid=os.getpid(),
+                           dist_init_addr=self.dist_init_addr if self.rank == 0 else None)
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         """After WELCOME: the tensor-parallel group, then the step socket subscribed to our topic."""
@@ -316,7 +320,7 @@ def main(args) -> int:
     wargs = from_cli_args(WorkerArgs, args)
     if wargs.threads:
         torch.set_num_threads(wargs.threads)
-    eargs = from_cli_args(EngineArgs, args, model=args.model or str(default_model_dir()))
+    eargs = from_cli_args(EngineArgs, args, model=args.model)
     svc = WorkerService(eargs, wargs.scheduler, group=wargs.group, tp_rank=wargs.tp_rank, worker_id=wargs.worker_id,
                         heartbeat_interval_s=wargs.heartbeat_interval_s, dist_init_addr=wargs.dist_init_addr,
                         advertise_host=wargs.advertise_host, curve_keys=wargs.curve_keys,

@@ -52,6 +52,8 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, group: int = 64) -> Qua
     if fmt in GGUF_TYPES:
         return QuantizedWeight.from_gguf(random_gguf(fmt, n, k, seed), GGUF_TYPES[fmt], (n, k))
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if fmt in ("f32", "bf16"):  # plain float weights in the kernel
+        return QuantizedWeight.from_float(w, fmt)
     return quantize_int8(w, group) if fmt == "int8" else quantize_int4(w, group)
 
 
@@ -171,33 +173,30 @@ def test_rows_cols_threads_and_batch_invariance(fmt):
     split = left.shape[1]
     check_close(left.linear(x[:, :split]), x[:, :split], left.dequantize())
     check_close(left.linear(x[:, :split]) + right.linear(x[:, split:]), x, qw.dequantize())
-    # a row gives the same bits in any batch and with any thread count, within each regime: the
-    # packed kernel below lib.gemm_rows rows, dequantized panels + float GEMM from there on
+    # a row gives the same bits in any batch and with any thread count: the packed tile (below
+    # lib.gemm_rows rows) and the dequantized panels + GEMM (from there on) compute alike
     lib = cpu_native.quant_lib()
     assert 1 < lib.gemm_rows <= 20
-    small = qw.linear(x[2:2 + lib.gemm_rows - 1])
-    assert torch.equal(qw.linear(x[7:8]), small[5:6])
-    assert torch.equal(qw.linear(x[3:3 + lib.gemm_rows]), full[3:3 + lib.gemm_rows])
+    for rows in (slice(7, 8), slice(2, 5), slice(2, 2 + lib.gemm_rows - 1), slice(3, 3 + lib.gemm_rows)):
+        assert torch.equal(qw.linear(x[rows]), full[rows]), rows
     for threads in (1, 2, 3):
         assert torch.equal(quant.kernel_linear(lib, qw, x, threads=threads), full), threads
-        assert torch.equal(quant.kernel_linear(lib, qw, x[7:8], threads=threads), small[5:6]), threads
-    # the two regimes agree to fp32 rounding
-    check_close(small, x[2:2 + lib.gemm_rows - 1], qw.dequantize())
+        assert torch.equal(quant.kernel_linear(lib, qw, x[7:8], threads=threads), full[7:8]), threads
     check_close(full, x, qw.dequantize())
 
 
 @native
 @pytest.mark.parametrize("fmt", quant.FORMATS)
-def test_compiled_dequantize_is_the_twin_and_many_rows_use_it(fmt):
+def test_compiled_dequantize_is_the_twin_and_many_rows_stay_on_the_kernel(fmt):
     for n, k, group in ((1, 256, 32), (70, 512, 64), (33, 768, 128)):
         qw = make_weight(fmt, n, k, seed=n + k, group=group)
         assert torch.equal(qw.dequantize(), qw.dequantize_twin()), (n, k, group)
         assert torch.equal(qw.dequantize(torch.bfloat16), qw.dequantize_twin(torch.bfloat16))
-    # from FLOAT_MATMUL_MIN_ROWS rows on: a float GEMM on the dequantized weight (bias inside)
-    x = torch.randn(quant.FLOAT_MATMUL_MIN_ROWS, 768, generator=torch.Generator().manual_seed(2))
-    bias = torch.randn(33)
-    assert torch.equal(qw.linear(x, bias), F.linear(x, qw.dequantize_twin(), bias))
-    check_close(qw.linear(x[:-1]), x[:-1], qw.dequantize())  # one row fewer: the packed kernel
+    # prefill-sized calls stay on the kernel (a float GEMM there would round otherwise)
+    x = torch.randn(130, 768, generator=torch.Generator().manual_seed(2))
+    y = qw.linear(x)
+    check_close(y, x, qw.dequantize())
+    assert torch.equal(qw.linear(x[:1]), y[:1])
 
 
 @native

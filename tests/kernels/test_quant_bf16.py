@@ -93,3 +93,24 @@ def test_emulated_and_portable_builds_match_twin(tmp_path, monkeypatch, define):
         got = quant.kernel_linear(lib, qw, x, bf16=True)
         _check(got, x, qw)
         _check(qw.linear_bf16(x), x, qw)  # this machine's own build
+
+
+@native
+def test_native_and_emulated_bf16_are_different_numeric_modes(tmp_path, monkeypatch):
+    """Which holds on this machine, native == emulated bit for bit or not, and the mode names
+    agree with it: VDPBF16PS adds two products per lane step, the emulated path one (other
+    roundings), so the names must differ wherever the bits do (docs/failure-model.md)."""
+    from zeroserve.services.worker import numerics
+
+    lib = cpu_native.quant_lib()
+    if not lib.bf16_native:
+        pytest.skip("this CPU has no AVX-512 BF16: the native build cannot run here")
+    emu = _build(tmp_path, monkeypatch, "-DZS_QM_NO_BF16")
+    x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(3))
+    qw = make_weight("q4_1", 64, 1536, seed=2)
+    same = torch.equal(quant.kernel_linear(lib, qw, x, bf16=True), quant.kernel_linear(emu, qw, x, bf16=True))
+    names = {numerics.mode_name("bfloat16", b, torch.float32, None) for b in (lib, emu)}
+    assert not same, "the two bf16 paths now agree bit for bit: give them one mode name (numerics.mode_name)"
+    assert len(names) == 2
+    # the fp32 regime does not depend on the bf16 path: one build's fp32 equals the other's
+    assert torch.equal(quant.kernel_linear(lib, qw, x), quant.kernel_linear(emu, qw, x))

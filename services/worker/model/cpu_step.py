@@ -3,10 +3,10 @@
 At batch 1 on CPU the Python forward spends as much time dispatching ~300 small calls per step
 as the matmuls take; `CpuDecodeStep` hands the layer loop to C instead, for the steps where
 every token decodes. It reads the model's own parameters and packed weights (nothing copied)
-and runs the same kernels in the same order (with bf16 panels attached, the bf16 regime from
-their row count on, as QuantizableWeight.matmul), so its hidden states equal the Python path's bit
-for bit: prefill and mixed steps, decode batches of FLOAT_MATMUL_MIN_ROWS or more (float GEMMs
-win there), GPUs, tensor and pipeline parallelism, float (unpacked) linears and machines without the
+and runs the same kernels in the same order (in the model's numeric mode: fp32, or the bf16
+regime at every row count, as QuantizableWeight.matmul), so its hidden states equal the Python
+path's bit for bit, and whether a step runs here never changes a token: prefill and mixed
+steps, GPUs, tensor and pipeline parallelism, float (unpacked) linears and machines without the
 compiled kernels stay on the Python path, and so do models that are not the plain Llama/Qwen
 shape (`ModelConfig.llama_shape`: sliding windows, soft-caps, GeGLU, other norm layouts, ...).
 
@@ -21,11 +21,11 @@ import os
 import torch
 
 from zeroserve.kernels.metadata import AttentionMetadata
-from zeroserve.kernels import bf16, cpu_native
-from zeroserve.kernels.quant import FLOAT_MATMUL_MIN_ROWS, QuantizedWeight
+from zeroserve.kernels import cpu_native
+from zeroserve.kernels.quant import QuantizedWeight
 
 # word layout of decode_step.c's descriptor (its enums)
-G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16_ROWS, G_WORDS = 13, 14, 15, 16, 17
+G_BLOCK, G_SLOTS, G_QMM_BF16, G_BF16, G_WORDS = 13, 14, 15, 16, 17
 LIN_WORDS, L_WORDS = 8, 38
 L_K_CACHE, L_V_CACHE = 36, 37
 
@@ -56,7 +56,7 @@ class CpuDecodeStep:
              cfg.intermediate_size, cos_sin.shape[1], cos_sin.shape[0], cos_sin.data_ptr(), int(cfg.qk_norm),
              model.norm.weight.data_ptr(), _fn(cpu_native.quant_lib(), "zs_qmatmul_f32_part"),
              _fn(cpu_native.decode_lib(), "zs_paged_decode_f32_part"), 0, 0,  # block size, slots: per cache
-             _fn(cpu_native.quant_lib(), "zs_qmatmul_bf16_part"), bf16.NEVER]  # bf16 rows: per call
+             _fn(cpu_native.quant_lib(), "zs_qmatmul_bf16_part"), 0]  # G_BF16: per call
         assert len(g) == G_WORDS
         self.g = torch.tensor(g, dtype=torch.int64)
         self.f = torch.tensor([cfg.rms_norm_eps, a0.scale if a0 is not None else 1.0], dtype=torch.float32)
@@ -72,10 +72,8 @@ class CpuDecodeStep:
             rows.append(row)
         self.layers = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), L_WORDS)
         self._caches_key = None
-        self._bf16_rows = bf16.NEVER
-        # with bf16 panels attached (kernels/bf16.py) the linears compute in bf16 from their row
-        # count on; here on the packed bytes (the same regime as QuantizableWeight.matmul's)
-        self._panel_probe = model.layers[0].mlp.gate_up_proj if model.num_layers else None
+        # the numeric mode (services/worker/numerics.py) is set after the model is built
+        self._mode_of = model.layers[0].mlp.gate_up_proj if model.num_layers else None
 
     @classmethod
     def build(cls, model) -> CpuDecodeStep | None:
@@ -103,11 +101,6 @@ class CpuDecodeStep:
         t = hidden.shape[0]
         if meta.max_query_len > 1 or meta.block_tables.shape[0] != t or t == 0 or not hidden.is_contiguous():
             return False
-        if t >= FLOAT_MATMUL_MIN_ROWS:  # big batches: the Python path's float GEMMs are faster
-            return False
-        p = self._panel_probe
-        if p is not None and p.bf16_weight is not None and t >= bf16.PANEL_MIN_ROWS:
-            return False  # the layers multiply on the bf16 panels from here (kernels/bf16.py)
         k0 = kv_caches[0][0] if kv_caches else None
         return k0 is None or (k0.dtype == torch.float32 and k0.is_contiguous())
 
@@ -131,10 +124,7 @@ class CpuDecodeStep:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         """hidden [T, H] token embeddings -> final-normed hidden states (in place)."""
         self._bind_caches(kv_caches)
-        p = self._panel_probe
-        rows = p.bf16_rows() if p is not None else bf16.NEVER
-        if rows != self._bf16_rows:  # the probe and bf16.set_min_rows change it
-            self.g[G_BF16_ROWS] = self._bf16_rows = rows
+        self.g[G_BF16] = int(self._mode_of is not None and self._mode_of.bf16_matmul)
         t = hidden.shape[0]
         pos = positions.long().contiguous()
         slots = meta.slot_mapping.long().contiguous()

@@ -33,7 +33,7 @@ from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.gguf_config import GGUFFile, GGUFTensor, open_gguf
 from zeroserve.common.log import get_logger
 from zeroserve.kernels.quant import QuantizedWeight
-from zeroserve.services.worker.model import quantize as Q
+import zeroserve.services.worker.model.quantize as Q
 from zeroserve.services.worker.model.layers import WeightSource
 from zeroserve.services.worker.model.loader import _slice_index, _zero_vocab_padding
 

@@ -12,8 +12,10 @@ Quantized weights: every linear (and the embedding / LM head) is a `QuantizableW
 either the float `weight` parameter or, after `set_quantized(qw)`, a packed
 `zeroserve.kernels.quant.QuantizedWeight` of the same shard (the float parameter is dropped). The matmul
 then reads the packed bytes through `QuantizedWeight.linear` (the compiled kernel on CPU,
-dequantize-then-matmul elsewhere). With bf16 panels attached (kernels/bf16.py) a step of
-enough rows multiplies on a bf16 copy instead, the exact weight kept for the others. A
+dequantize-then-matmul elsewhere). On a CPU a float weight is read by the same kernel too (its
+"f32" format, a view of the parameter), and in the bf16 numeric mode every linear computes in
+the bf16 regime at any row count: the worker sets both once (services/worker/numerics.py), so a
+row's arithmetic never depends on the batch it came in. A
 quantized embedding looks its rows up by dequantizing only
 the gathered rows, so a tied LM head and the embedding share one packed copy. Vocab shards keep
 only their real rows packed; the LM head pads the logits of a shard's padding rows with zeros.
@@ -31,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeroserve.common.errors import ModelLoadError
-from zeroserve.kernels import bf16
 from zeroserve.kernels.quant import QuantizedWeight
 
 
@@ -88,9 +89,11 @@ class QuantizableWeight(nn.Module):
     """A module whose `weight` [rows, cols] may be replaced by a packed QuantizedWeight."""
 
     qweight: QuantizedWeight | None = None
-    # a bf16 copy of the weight for steps of at least bf16_min_rows rows (kernels/bf16.py)
-    bf16_weight: torch.Tensor | None = None
-    bf16_min_rows: int = bf16.NEVER
+    # the float weight in the compiled kernel's "f32" format (a view of the parameter, set by
+    # services/worker/numerics.py on CPUs): torch's float GEMM rounds a row differently by batch
+    # size, the kernel does not
+    kernel_weight: QuantizedWeight | None = None
+    bf16_matmul: bool = False  # the bf16 regime (x and w rounded to bf16, fp32 sums) at every row count
 
     @property
     def quantized(self) -> bool:
@@ -110,18 +113,12 @@ class QuantizableWeight(nn.Module):
         self.qweight = qw
         self._packed_rows = want[0]
 
-    def bf16_rows(self) -> int:
-        """Rows of a step from which this linear computes in bf16 (bf16.NEVER: no panel attached)."""
-        return self.bf16_min_rows if self.bf16_weight is not None else bf16.NEVER
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() >= self.bf16_rows() * x.shape[-1]:
-            if self.qweight is not None and x.is_cpu and x.numel() < bf16.PANEL_MIN_ROWS * x.shape[-1]:
-                return self.qweight.linear_bf16(x, bias)  # decode-sized: packed bytes, bf16 compute
-            return bf16.linear(x, self.bf16_weight, bias)
-        if self.qweight is not None:
-            return self.qweight.linear(x, bias)
-        return F.linear(x, self.weight, bias)
+        """x @ W.T (+ bias) in the model's numeric mode: one code path whatever the row count."""
+        w = self.qweight if self.qweight is not None else self.kernel_weight
+        if w is None:
+            return F.linear(x, self.weight, bias)
+        return w.linear_bf16(x, bias) if self.bf16_matmul else w.linear(x, bias)
 
     def float_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight as floats: the parameter itself, or the packed weight dequantized."""

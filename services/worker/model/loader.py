@@ -64,7 +64,7 @@ def load_weights(model, model_dir: str | Path, quantization: str | None = None) 
     """Fill every parameter of `model` from the safetensors files in `model_dir`; with
     quantization "int8"/"int4" each linear is quantized as soon as its slice is read
     (services/worker/model/quantize.py)."""
-    from zeroserve.services.worker.model import quantize as Q
+    import zeroserve.services.worker.model.quantize as Q
 
     quantization = Q.resolve_quantization(quantization)
     targets = Q.int_targets(model, quantization)

@@ -34,6 +34,7 @@ from torch import nn
 from zeroserve.common.errors import ModelLoadError
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.kernels.moe import expert_groups, route, single_token_routes
+from zeroserve.kernels.quant import QuantizedWeight
 from zeroserve.services.worker.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -61,7 +62,11 @@ def moe_prefix(cfg: ModelConfig, layer_prefix: str) -> str:
 
 
 class Router(nn.Module):
-    """The replicated router [E, H]; never packed (a rounding flip would change the expert)."""
+    """The replicated router [E, H]; never packed (a rounding flip would change the expert). On a
+    CPU it runs on the kernel's fp32 view of its weight in every numeric mode (set by
+    services/worker/numerics.py): a token's experts must not depend on the batch."""
+
+    kernel_weight: QuantizedWeight | None = None
 
     def __init__(self, num_experts: int, hidden: int, device, dtype):
         super().__init__()
@@ -69,6 +74,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weight is not None:
+            return self.kernel_weight.linear(x)
         return F.linear(x, self.weight)
 
     def sources(self, hf_name: str) -> list[WeightSource]:
@@ -123,14 +130,17 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        stacks = self._float_stacks()
+        # experts on the kernel (a CPU's numeric mode) run one by one like packed ones: the
+        # stacked twin's torch GEMMs round a token's rows by how many others chose its expert
+        on_kernel = self.experts[0].gate_up_proj.kernel_weight is not None
+        stacks = None if on_kernel else self._float_stacks()
         if stacks is not None:
             out = self.ops.fused_moe(x, stacks[0], stacks[1], weights.to(x.dtype), ids, self.expert_start)
-        elif x.shape[0] == 1:  # packed, one token (batch-1 decode): no gather / scatter
+        elif x.shape[0] == 1:  # packed or on the kernel, one token (batch-1 decode): no gather / scatter
             out = torch.zeros_like(x)
             for e, w in single_token_routes(ids, weights.to(x.dtype), self.num_local, self.expert_start):
                 out += self.experts[e](x, self.ops) * w
-        else:  # packed experts: each active expert's packed matmuls
+        else:  # packed (or kernel-routed) experts: each active expert's matmuls
             out = torch.zeros_like(x)
             flat_w = weights.reshape(-1).to(x.dtype)
             for e, slots, tok in expert_groups(ids, self.num_local, self.expert_start):

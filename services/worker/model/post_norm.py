@@ -6,7 +6,7 @@ a norm before and after both attention and MLP) and OLMo 2 ("post": after only).
 
 The residual add cannot be fused into the next norm as in llama.DecoderLayer (the normed value
 is the block's output, not the stream), so each layer returns the full stream and no separate
-residual; CausalLM then applies the final norm to it. Attention and MLP are llama.py's.
+residual; CausalLM then applies the final norm to it. Attention and MLP are blocks.py's, as llama.py's are.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.services.worker.model.layers import RMSNorm, TPInfo, WeightSource
-from zeroserve.services.worker.model.llama import MLP, Attention
+from zeroserve.services.worker.model.blocks import MLP, Attention
 
 
 class PostNormDecoderLayer(nn.Module):
