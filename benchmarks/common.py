@@ -400,3 +400,33 @@ def memory_bandwidth(mb: int = 512) -> tuple[float, float]:
         b.copy_(a)
         best_copy = min(best_copy, time.perf_counter() - t)
     return a.numel() * 4 / best_sum / 1e9, 2 * a.numel() * 4 / best_copy / 1e9
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (a torch.distributed or ZeroMQ rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, world: int, *args, timeout_s: float = 1800.0) -> list:
+    """Run `fn(rank, world, port, *args, queue)` in `world` spawned processes (one rendezvous
+    port for all); each puts one result on the queue. Returns the results in rank order (each
+    result a dict with a "rank" key)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return sorted((q.get(timeout=timeout_s) for _ in procs), key=lambda x: x["rank"])
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()

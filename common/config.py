@@ -244,9 +244,11 @@ class CacheArgs:
 
 @dataclass(kw_only=True)
 class ParallelArgs:
-    """tensor parallelism"""
+    """tensor and pipeline parallelism"""
 
-    tp_size: int = knob(1, "tensor-parallel shards in this worker's group")
+    tp_size: int = knob(1, "tensor-parallel shards in this worker's group (per pipeline stage)")
+    pp_size: int = knob(1, "pipeline stages in this worker's group: each holds a contiguous range of layers "
+                           "(the group is tp_size x pp_size shards)")
     enable_expert_parallel: bool = knob(False, "MoE models: split the experts over the group's shards (each holds "
                                                "E/tp whole experts) instead of slicing every expert")
 
@@ -467,7 +469,9 @@ class LaunchArgs:
     """cluster shape (zeroserve up)"""
 
     workers: int = knob(1, "worker groups to start")
-    tp: int = knob(1, "tensor-parallel shards per worker group")
+    tp: int = knob(1, "tensor-parallel shards per worker group (per pipeline stage)")
+    pp: int = knob(1, "pipeline stages per worker group (each a contiguous range of layers; a group is tp x pp "
+                      "shards)")
     gateway: bool = knob(True, "do not start the OpenAI-compatible HTTP gateway", flag="--no-gateway")
     gateway_port: int = knob(8000, "the HTTP gateway's port")
     gateway_nice: int = knob(0, "the gateway's nice value (its --nice)")
@@ -538,7 +542,7 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
 
         if self.block_size not in (16, 32, 48, 64, 80, 96, 112, 128, 256) or self.block_size % 16:
             raise bad(f"block_size must be a multiple of 16 (16..256), got {self.block_size!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tp_size", "max_queue_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tp_size", "pp_size", "max_queue_len"):
             pos_int(name)
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "max_num_prefill_tokens"):
             pos_int(name, allow_none=True)
@@ -579,6 +583,10 @@ class EngineArgs(ModelArgs, GenerationArgs, DeviceArgs, CacheArgs, ParallelArgs,
             # every shard would have to propose and accept alike; the draft model is not sharded
             raise bad("speculative decoding is not supported with tensor parallelism (tp_size > 1): run the group "
                       "with tp_size 1 or speculative_method none")
+        if m != "none" and self.pp_size > 1:
+            # drafts would be proposed on the first stage and verified on the last
+            raise bad("speculative decoding is not supported with pipeline parallelism (pp_size > 1): run the "
+                      "group with pp_size 1 or speculative_method none")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -632,7 +640,8 @@ class WorkerArgs(PeerArgs, AdvertiseArgs, ThreadArgs):
 
     group: str | None = knob(None, "worker group name (shards of one tensor-parallel group share it; "
                                    "default: one group per worker)")
-    tp_rank: int = knob(0, "this shard's rank in its group")
+    tp_rank: int = knob(0, "this shard's tensor-parallel rank in its pipeline stage")
+    pp_rank: int = knob(0, "this shard's pipeline stage in its group (0 = the embedding, pp_size - 1 = the LM head)")
     dist_init_addr: str | None = knob(None, "torch.distributed address (rank 0 picks one if omitted)")
     collective_ifname: str | None = knob(None, "network interface for tensor-parallel collectives (sets "
                                                "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; default: the one "

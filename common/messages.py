@@ -329,6 +329,17 @@ class KeptSeq(Message):
     lora_path: Text | None = None
 
 
+def group_rank(tp_rank: int, tp_size: int, pp_rank: int) -> int:
+    """A shard's rank in its group (and the group's torch.distributed world): stage-major, so the
+    tensor-parallel shards of one pipeline stage are neighbours and rank 0 is stage 0's tp rank 0."""
+    return pp_rank * tp_size + tp_rank
+
+
+def answering_rank(tp_size: int, pp_size: int) -> int:
+    """The group rank that answers steps: tp rank 0 of the last stage (where the sampler runs)."""
+    return group_rank(0, tp_size, pp_size - 1)
+
+
 class Hello(Message, kw_only=True):
     role: Role
     protocol_version: int = PROTOCOL_VERSION  # position 1 in every version: a mismatch is named
@@ -360,13 +371,28 @@ class Hello(Message, kw_only=True):
     # LoRA adapter slots (--max-loras; 0 = serves no adapters): the scheduler routes adapter
     # requests only to groups that have some, and runs at most this many adapters at once there
     max_loras: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    # pipeline parallelism: the group is pp_size stages of tp_size shards; its rank 0 (stage 0,
+    # tp rank 0) proposes dist_init_addr, the last stage's tp rank 0 answers steps. Trailing: a
+    # HELLO without them (an older worker) reads as pp=1
+    pp_rank: Count = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
 
     def check(self) -> str | None:
         if self.pool and self.tp_size != 1:
             return "a pool member is one shard (tp_size 1)"
         if not self.tp_rank < self.tp_size:
             return f"tp_rank {self.tp_rank} / tp_size {self.tp_size}: need 0 <= tp_rank < tp_size"
+        if not self.pp_rank < self.pp_size:
+            return f"pp_rank {self.pp_rank} / pp_size {self.pp_size}: need 0 <= pp_rank < pp_size"
         return None
+
+    @property
+    def group_rank(self) -> int:
+        return group_rank(self.tp_rank, self.tp_size, self.pp_rank)
+
+    @property
+    def group_size(self) -> int:
+        return self.tp_size * self.pp_size
 
 
 WelcomeStatus = Literal["accepted", "refused", "rejoin", "drained"]

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(up, LaunchArgs)
     add_cli_args(up, PoolArgs)
     add_cli_args(up, ServeArgs)
-    add_cli_args(up, EngineArgs, skip=("tp_size",))  # --tp sets it
+    add_cli_args(up, EngineArgs, skip=("tp_size", "pp_size"))  # --tp and --pp set them
     add_cli_args(up, LivenessArgs)
     add_cli_args(up, ChatArgs)
     add_cli_args(up, ThreadArgs)
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     bt.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
     bt.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_cli_args(bt, EngineArgs, skip=("tp_size", "max_queue_len"))  # one process; nothing queues
+    add_cli_args(bt, EngineArgs, skip=("tp_size", "pp_size", "max_queue_len"))  # one process; nothing queues
     add_cli_args(bt, ThreadArgs)
 
     pm = sub.add_parser("prepare-model", help="check a model (HF directory or .gguf file) where the processes will "
@@ -153,10 +153,12 @@ def _status(args) -> int:
     for model, mode in (s.get("numeric_modes") or {}).items():
         print(f"model {model}: numeric mode {mode}")
     for g in s.get("groups", []):
-        print(f"group {g['name']} [{g['state']}] model {g['model']} tp {g['tp_size']}  running {g.get('running', 0)}  "
+        print(f"group {g['name']} [{g['state']}] model {g['model']} tp {g['tp_size']} pp {g.get('pp_size', 1)}  "
+              f"running {g.get('running', 0)}  "
               f"waiting {g.get('waiting', 0)}  kv {g.get('kv_blocks_used', 0)}/{g.get('kv_blocks_total', 0)} blocks")
         for w in g.get("workers", []):
-            print(f"  worker {w['worker_id']} rank {w['rank']} pid {w['pid']} host {w['host']} device {w['device']} "
+            stage = f" stage {w['stage']}" if g.get("pp_size", 1) > 1 else ""
+            print(f"  worker {w['worker_id']} rank {w['rank']}{stage} pid {w['pid']} host {w['host']} device {w['device']} "
                   f"steps {w.get('w_steps', 0)} step_ms {w.get('w_step_ms', 0)}")
     pool = s.get("pool") or {}
     for name, p in (pool.get("models") or {}).items():

@@ -32,6 +32,7 @@ from zeroserve.services.scheduler.cluster import Cluster
 from zeroserve.services.scheduler.models import load_models
 from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox
 from zeroserve.services.scheduler.structured import GrammarCompiler
+from zeroserve.services.worker import pipeline
 from zeroserve.services.worker.model_runner import ModelRunner
 from zeroserve.services.worker.service import shard_hello
 
@@ -55,15 +56,33 @@ class _Tracked:
     remaining: int = 0
 
 
+def stage_runner(tp_rank: int, tp_size: int, pp_rank: int, wire: str | None = None):
+    """`make_runner` for an in-process LLMEngine that is one shard of a pipeline group (tests,
+    benchmarks): every shard runs the same engine, so all get the same steps, as from the
+    scheduler. The group's torch.distributed world must exist (services/worker/pipeline.py)."""
+
+    def make(args, cfg):
+        r = ModelRunner(args, cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank)
+        if r.pp_size > 1:
+            pipeline.connect(r, tp_rank, tp_size, wire=wire)
+        return r
+
+    return make
+
+
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, make_runner=ModelRunner) -> None:
+        """`make_runner(args, model_cfg)`: the runner (a pipeline stage's: `stage_runner`)."""
         self.args = args
+        if args.pp_size > 1 and make_runner is ModelRunner:  # one process holds one stage
+            raise InvalidRequest("pp_size > 1 needs a process per pipeline stage: serve the model with "
+                                 "`zeroserve up --pp N` (or one `zeroserve worker --pp-rank S` per stage)")
         if not args.model:
             raise InvalidRequest("engine args: give a model directory or GGUF file (LLM picks the built-in one)")
         model_dir = str(args.model)
         self.model_cfg = ModelConfig.from_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.runner = ModelRunner(args, self.model_cfg)
+        self.runner = make_runner(args, self.model_cfg)
         cfg = SchedulerConfig(
             models=[model_dir], generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_tokens=args.max_num_prefill_tokens,

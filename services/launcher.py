@@ -83,21 +83,24 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
     children = [Child("scheduler", base + ["scheduler", *to_cli_args(sched)], role="scheduler"),
                 Child("detokenizer", base + ["detokenizer", *to_cli_args(detok, skip=("curve_client",))],
                       role="detokenizer")]
-    engine = to_cli_args(from_cli_args(EngineArgs, args, model=None if pool else model, tp_size=args.tp),
+    pp = getattr(args, "pp", 1)
+    engine = to_cli_args(from_cli_args(EngineArgs, args, model=None if pool else model, tp_size=args.tp, pp_size=pp),
                          only=WORKER_ENGINE_KNOBS)
-    n_shards = args.workers * args.tp
+    n_shards = args.workers * args.tp * pp
     cpus = usable_cpus()
     threads = args.threads or max(1, cpus // n_shards)
     # teams that together ask for more threads than the host has wait passively (threads.py)
     policy = wait_policy_for(n_shards * threads, cpus)
     worker_env = {"OMP_WAIT_POLICY": policy} if policy else {}
     for g in range(args.workers):
-        for r in range(args.tp):
-            worker = WorkerArgs(scheduler=backend, group=None if pool else f"g{g}", tp_rank=r, worker_id=f"g{g}-r{r}",
-                                threads=threads, curve_keys=curve_keys, pool=pool)
-            name = f"worker g{g}" + (f" rank {r}" if args.tp > 1 else "")
-            children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine],
-                                  env=dict(worker_env)))
+        for s in range(pp):  # stage s of group g: its shards are g{g}-s{s}-r{r} (no -s with one stage)
+            for r in range(args.tp):
+                wid = f"g{g}" + (f"-s{s}" if pp > 1 else "") + f"-r{r}"
+                worker = WorkerArgs(scheduler=backend, group=None if pool else f"g{g}", tp_rank=r, pp_rank=s,
+                                    worker_id=wid, threads=threads, curve_keys=curve_keys, pool=pool)
+                name = f"worker g{g}" + (f" stage {s}" if pp > 1 else "") + (f" rank {r}" if args.tp > 1 else "")
+                children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine],
+                                      env=dict(worker_env)))
     if gateway:
         gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
                          models=models, curve_keys=curve_keys, nice=args.gateway_nice, **catalog,
@@ -236,9 +239,9 @@ def main(args) -> int:
     from zeroserve.services.tiny_model import REAL_MODEL_PACKAGE, default_model_dir, installed_real_model
 
     pool = is_pool(args)
-    if pool and (args.model or args.tp > 1):
+    if pool and (args.model or args.tp > 1 or getattr(args, "pp", 1) > 1):
         raise InvalidRequest("with --models-dir / --models-config the workers are pool members that load the "
-                             "catalog's models: leave out --model (and --tp: a pool member is one shard)")
+                             "catalog's models: leave out --model (and --tp / --pp: a pool member is one shard)")
     real = installed_real_model() if args.demo is not None and not args.model and not pool else None
     builtin = not args.model and real is None and not pool
     if pool:
@@ -314,7 +317,7 @@ def main(args) -> int:
         except (TimeoutError, RuntimeError) as e:
             print(f"zeroserve up: {e}", file=sys.stderr, flush=True)
             return 1
-        print(f"ready: {args.workers} worker group(s) x {args.tp} shard(s) serving "
+        print(f"ready: {args.workers} worker group(s) x {args.tp * getattr(args, 'pp', 1)} shard(s) serving "
               f"{model if pool else Path(model).name} at {client_addr}"
               f"  (try: zeroserve generate \"hello\" --address {client_addr})", flush=True)
         if args.demo is not None:

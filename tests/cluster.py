@@ -98,12 +98,13 @@ def no_leftover_processes():
 class LocalCluster:
     def __init__(self, model_dir: str | Path, workers: int = 1, tp: int = 1, num_kv_blocks: int = 256,
                  scheduler_args: list[str] | None = None, worker_args: list[str] | None = None,
-                 detokenizer: bool = True, threads: int = 1, curve_keys: str | Path | None = None) -> None:
+                 detokenizer: bool = True, threads: int = 1, curve_keys: str | Path | None = None,
+                 pp: int = 1) -> None:
         self.model = str(model_dir)
         self.port = free_port_block(4)
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.backend = f"tcp://127.0.0.1:{self.port + 1}"
-        self.n_workers, self.tp = workers, tp
+        self.n_workers, self.tp, self.pp = workers, tp, pp
         self.num_kv_blocks = num_kv_blocks
         self.scheduler_args = scheduler_args or []
         self.worker_args = worker_args or []
@@ -142,17 +143,22 @@ class LocalCluster:
         return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, "--model", self.model,
                                            *self.curve_args), role="detokenizer")
 
-    def start_worker(self, group: str, rank: int = 0, tp: int | None = None, extra: list[str] | None = None) -> Child:
-        tp = tp or self.tp
-        wid = f"{group}-r{rank}"
+    def start_worker(self, group: str, rank: int = 0, tp: int | None = None, extra: list[str] | None = None,
+                     stage: int = 0, pp: int | None = None) -> Child:
+        """Shard `rank` of pipeline stage `stage`, named `{group}-r{rank}` (`{group}-s{stage}-r{rank}`
+        in a group of several stages, as `zeroserve up` names them)."""
+        tp, pp = tp or self.tp, pp or self.pp
+        wid = f"{group}-s{stage}-r{rank}" if pp > 1 else f"{group}-r{rank}"
         return self._start(wid, self._cmd(
             "worker", "--scheduler", self.backend, "--model", self.model, "--group", group, "--tp-size", str(tp),
-            "--tp-rank", str(rank), "--worker-id", wid, "--num-kv-blocks", str(self.num_kv_blocks),
+            "--tp-rank", str(rank), "--pp-size", str(pp), "--pp-rank", str(stage), "--worker-id", wid,
+            "--num-kv-blocks", str(self.num_kv_blocks),
             "--threads", str(self.threads), *self.curve_args, *self.worker_args, *(extra or [])))
 
     def start_group(self, group: str) -> None:
-        for r in range(self.tp):
-            self.start_worker(group, r)
+        for s in range(self.pp):
+            for r in range(self.tp):
+                self.start_worker(group, r, stage=s)
 
     def start(self) -> "LocalCluster":
         self.start_scheduler()

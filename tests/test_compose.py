@@ -43,6 +43,7 @@ COMPOSE = REPO / "compose"
 BASE_FILE = COMPOSE / "docker-compose.yml"
 GPU_FILE = COMPOSE / "docker-compose.gpu.yml"
 TP_FILE = COMPOSE / "docker-compose.tp.yml"
+PP_FILE = COMPOSE / "docker-compose.pp.yml"
 TP_GPU_FILE = COMPOSE / "docker-compose.tp-gpu.yml"
 MONITORING_FILE = COMPOSE / "docker-compose.monitoring.yml"
 POOL_FILE = COMPOSE / "docker-compose.pool.yml"
@@ -270,21 +271,25 @@ def test_compose_structure():
     assert wenv["ZEROSERVE_SCHEDULER"] == "tcp://scheduler:7001"
     assert env_map(services["detokenizer"]["environment"])["ZEROSERVE_SCHEDULER"] == "tcp://scheduler:7001"
 
-    # the tensor-parallel override: one group, ranks 0..n-1, rank 0 advertises its own hostname;
-    # each shard runs what a worker runs
-    tp = load(TP_FILE, {})["services"]
-    for name, svc in tp.items():
+    # the tensor- and pipeline-parallel overrides: one group, ranks (stages) 0..n-1, each shard
+    # advertises its own hostname and runs what a worker runs
+    _check_group_override(services, TP_FILE, "ZEROSERVE_TP_SIZE", "ZEROSERVE_TP_RANK")
+    _check_group_override(services, PP_FILE, "ZEROSERVE_PP_SIZE", "ZEROSERVE_PP_RANK")
+
+
+def _check_group_override(services: dict, path: Path, size_var: str, rank_var: str) -> None:
+    over = load(path, {})["services"]
+    wenv = env_map(services["worker"]["environment"])
+    same = lambda env: {k: v for k, v in env.items() if k in wenv and k != size_var}  # noqa: E731
+    for name, svc in over.items():
         for key in ("image", "init", "volumes", "depends_on", "command", "restart", "stop_grace_period", "healthcheck"):
-            assert svc[key] == services["worker"][key], (name, key)
-        wenv = env_map(services["worker"]["environment"])
-        tenv = env_map(svc["environment"])
-        assert {k: v for k, v in tenv.items() if k in wenv and k != "ZEROSERVE_TP_SIZE"} == \
-            {k: v for k, v in wenv.items() if k != "ZEROSERVE_TP_SIZE"}, name
-    envs = [env_map(s["environment"]) for s in tp.values()]
-    assert len(tp) >= 2 and len({e["ZEROSERVE_GROUP"] for e in envs}) == 1
-    assert sorted(int(e["ZEROSERVE_TP_RANK"]) for e in envs) == list(range(len(tp)))
-    assert all(int(e["ZEROSERVE_TP_SIZE"]) == len(tp) for e in envs)
-    for name, svc in tp.items():
+            assert svc[key] == services["worker"][key], (path.name, name, key)
+        assert same(env_map(svc["environment"])) == same(wenv), (path.name, name)
+    envs = [env_map(s["environment"]) for s in over.values()]
+    assert len(over) >= 2 and len({e["ZEROSERVE_GROUP"] for e in envs}) == 1
+    assert sorted(int(e[rank_var]) for e in envs) == list(range(len(over)))
+    assert all(int(e[size_var]) == len(over) for e in envs)
+    for name, svc in over.items():
         assert env_map(svc["environment"])["ZEROSERVE_ADVERTISE_HOST"] == svc["hostname"] == name
 
 
@@ -314,7 +319,8 @@ def test_commands_parse_with_the_cli():
 
     image = dockerfile()
     seen = 0
-    for svc in [*load(BASE_FILE, {})["services"].values(), *load(TP_FILE, {})["services"].values()]:
+    for svc in [*load(BASE_FILE, {})["services"].values(), *load(TP_FILE, {})["services"].values(),
+                *load(PP_FILE, {})["services"].values()]:
         entry = svc.get("entrypoint") or image["entrypoint"]
         if entry == ["zeroserve"]:
             build_parser().parse_args(svc.get("command") or image["cmd"])
@@ -358,7 +364,7 @@ def test_every_variable_has_a_default_and_is_documented():
             k, _, v = ln.partition("=")
             example[k.strip()] = v.strip()
     used = {}
-    for f in [BASE_FILE, GPU_FILE, TP_FILE, TP_GPU_FILE, MONITORING_FILE, *COMPOSE.glob("docker-stack*.yml")]:
+    for f in [BASE_FILE, GPU_FILE, TP_FILE, TP_GPU_FILE, PP_FILE, MONITORING_FILE, *COMPOSE.glob("docker-stack*.yml")]:
         used.update(variables(load(f)))
     for name, default in used.items():
         assert default is not None, f"${{{name}}} needs a :- default so the stack starts without a .env"

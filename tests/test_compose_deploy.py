@@ -23,10 +23,11 @@ from tests.test_compose import BASE_FILE, COMPOSE, GPU_FILE, REPO, dockerfile, e
 
 MODEL_FILE = COMPOSE / "docker-compose.model.yml"
 TP_FILE = COMPOSE / "docker-compose.tp.yml"
+PP_FILE = COMPOSE / "docker-compose.pp.yml"
 TP_GPU_FILE = COMPOSE / "docker-compose.tp-gpu.yml"
 MONITORING_FILE = COMPOSE / "docker-compose.monitoring.yml"
 STACK_FILES = sorted(COMPOSE.glob("docker-stack*.yml"))
-COMPOSE_FILES = [BASE_FILE, GPU_FILE, MODEL_FILE, TP_FILE, TP_GPU_FILE, MONITORING_FILE]
+COMPOSE_FILES = [BASE_FILE, GPU_FILE, MODEL_FILE, TP_FILE, TP_GPU_FILE, PP_FILE, MONITORING_FILE]
 
 
 def real_gguf() -> Path:
@@ -165,7 +166,7 @@ def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not shutil.which("docker-compose"), reason="docker-compose (v1) is not installed")
-@pytest.mark.parametrize("extra", [[], [GPU_FILE], [MODEL_FILE], [TP_FILE], [GPU_FILE, TP_FILE, TP_GPU_FILE],
+@pytest.mark.parametrize("extra", [[], [GPU_FILE], [MODEL_FILE], [TP_FILE], [GPU_FILE, TP_FILE, TP_GPU_FILE], [PP_FILE],
                                    [MONITORING_FILE]], ids=lambda e: "+".join(p.stem for p in e) or "base")
 def test_compose_v1_reads_the_files(extra):
     r = _run(["docker-compose", "-f", str(BASE_FILE), *sum((["-f", str(f)] for f in extra), []), "config", "-q"])

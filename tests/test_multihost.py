@@ -12,6 +12,8 @@ interface that carries its address. Checked: the greedy tokens equal the in-proc
 (a single-host run); with "edge" cut off (its bridge port down) requests the scheduler still
 routes there finish on "gtp" with the same tokens; after the link heals, "edge" rejoins and
 its worker says the scheduler gave its group up, not that it restarted (item 8).
+A second test puts the two pipeline stages of one group on hosts of their own (sched, ppa, ppb,
+client): their greedy tokens equal the single-host run's.
 Skips where namespaces cannot be made (not root, no `ip`).
 """
 
@@ -58,6 +60,16 @@ def _worker(hosts: NetnsHosts, host: str, name: str, model: str, keys: Path, key
                              "--curve-keys", str(keys), "--curve-client", key_name, *extra])
 
 
+def _scheduler_host(hosts: NetnsHosts, model: str, keys: Path) -> None:
+    """The scheduler (all interfaces, advertising its address) and the detokenizer on "sched"."""
+    sched = hosts.addr("sched")
+    hosts.start("sched", "scheduler", [
+        "zeroserve.services.cli", "scheduler", "--host", "0.0.0.0", "--advertise-host", sched, "--port", str(PORT),
+        "--model", model, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--curve-keys", str(keys)])
+    hosts.start("sched", "detokenizer", ["zeroserve.services.cli", "detokenizer", "--scheduler", f"tcp://{sched}:{PORT + 1}",
+                                         "--model", model, "--curve-keys", str(keys)])
+
+
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     return cached_model_dir("llama")
@@ -81,12 +93,7 @@ def test_tp_across_hosts_partition_failover_and_rejoin(model_dir, reference, tmp
     create_curve_keys(keys, workers=["tp", "edge"])
     model = str(model_dir)
     with NetnsHosts(HOSTS) as hosts:
-        sched = hosts.addr("sched")
-        hosts.start("sched", "scheduler", [
-            "zeroserve.services.cli", "scheduler", "--host", "0.0.0.0", "--advertise-host", sched, "--port", str(PORT),
-            "--model", model, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--curve-keys", str(keys)])
-        hosts.start("sched", "detokenizer", ["zeroserve.services.cli", "detokenizer", "--scheduler", f"tcp://{sched}:{PORT + 1}",
-                                             "--model", model, "--curve-keys", str(keys)])
+        _scheduler_host(hosts, model, keys)
         tp = ("--group", "gtp", "--tp-size", "2")
         _worker(hosts, "tpa", "gtp-r0", model, keys, "tp", *tp, "--tp-rank", "0", "--advertise-host", hosts.addr("tpa"))
         _worker(hosts, "tpb", "gtp-r1", model, keys, "tp", *tp, "--tp-rank", "1")
@@ -126,6 +133,31 @@ def test_tp_across_hosts_partition_failover_and_rejoin(model_dir, reference, tmp
         assert ("gave our group up (it did not restart)" in edge or "the scheduler ended our group" in edge), edge
         assert "restarted;" not in edge, edge
         assert "restarted?" not in edge
+
+
+def test_pp_stages_on_two_hosts(model_dir, reference, tmp_path):
+    """A group of two pipeline stages, each on its own host with its own CURVE worker key: stage 0
+    advertises its address (it proposes the rendezvous), stage 1 does not (the route to stage 0
+    decides where its collectives and its stage link listen). Greedy tokens equal the
+    single-host run's; each stage bound its collectives (and so its stage link) to its own eth0."""
+    from zeroserve.common.curve import create_curve_keys
+
+    keys = tmp_path / "keys"
+    create_curve_keys(keys, workers=["stage0", "stage1"])
+    model = str(model_dir)
+    with NetnsHosts(["sched", "ppa", "ppb", "client"]) as hosts:
+        _scheduler_host(hosts, model, keys)
+        pp = ("--group", "gpp", "--pp-size", "2")
+        _worker(hosts, "ppa", "gpp-s0", model, keys, "stage0", *pp, "--pp-rank", "0", "--advertise-host", hosts.addr("ppa"))
+        _worker(hosts, "ppb", "gpp-s1", model, keys, "stage1", *pp, "--pp-rank", "1")
+        ready = _client(hosts, keys, "ready", 90, mode="ready", groups=1, timeout=80)
+        g = next(g for g in ready["stats"]["groups"] if g["name"] == "gpp")
+        assert g["pp_size"] == 2 and [(w["worker_id"], w["stage"]) for w in g["workers"]] == [("gpp-s0", 0), ("gpp-s1", 1)]
+        for name in ("gpp-s0", "gpp-s1"):
+            line = next(ln for ln in hosts.log(name).splitlines() if "collectives bound" in ln)
+            assert "ifname=eth0" in line, line
+        got = _client(hosts, keys, "generate", 60, mode="generate", prompts=reference["prompts"])
+        assert got["tokens"] == reference["tokens"]
 
 
 def _spec(hosts: NetnsHosts, keys: Path, name: str, spec: dict) -> str:

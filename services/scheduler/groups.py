@@ -1,6 +1,6 @@
 """Worker groups: the registry and each group's lifecycle, free of sockets.
 
-JOINING (waiting for every TP shard's HELLO) -> PROBING (a PUB drops what a SUB that has not
+JOINING (waiting for every shard's HELLO: tp_size x pp_size of them) -> PROBING (a PUB drops what a SUB that has not
 subscribed yet misses, so steps wait until every shard acknowledged a probe on its topic) ->
 READY -> DRAINING (finishes what it runs, takes nothing new) -> GONE. A group has its own
 policy (block manager and running set) and at most one step in flight. Methods take the time
@@ -102,7 +102,8 @@ class Group:
     name: str
     model: str
     tp_size: int
-    shards: dict[int, Shard] = field(default_factory=dict)  # by TP rank
+    pp_size: int = 1  # pipeline stages (services/worker/pipeline.py)
+    shards: dict[int, Shard] = field(default_factory=dict)  # by group rank (pp_rank * tp_size + tp_rank)
     state: GroupState = GroupState.JOINING
     policy: Policy | None = None  # made when the group is READY (it needs every shard's capacity)
     seq: int = 0  # of the last step sent; restarts at each READY
@@ -116,6 +117,15 @@ class Group:
 
     def load(self) -> int:
         return self.policy.num_unfinished if self.policy else 0
+
+    @property
+    def size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def answer_rank(self) -> int:
+        """The shard whose StepResults count: the last stage's tp rank 0 (the sampler is there)."""
+        return P.answering_rank(self.tp_size, self.pp_size)
 
 
 class Groups:
@@ -214,13 +224,14 @@ class Groups:
                 self.refuse(ident, f"{joining} groups are waiting for their tensor-parallel shards already; "
                                    "start the missing shards (or wait until they time out) and retry", ob)
                 return orphans
-            g = self.groups[name] = Group(name, h.model, h.tp_size)
+            g = self.groups[name] = Group(name, h.model, h.tp_size, h.pp_size)
         first = next(iter(g.shards.values()), None)
-        if g.model != h.model or g.tp_size != h.tp_size:
-            self.refuse(ident, f"group {name!r} serves {g.model!r} with tp_size {g.tp_size}; this shard "
-                               f"says {h.model!r} / {h.tp_size}", ob)
-        elif g.state != GroupState.JOINING or h.tp_rank in g.shards:
-            self.refuse(ident, f"rank {h.tp_rank} of group {name!r} is already connected", ob)
+        if g.model != h.model or g.tp_size != h.tp_size or g.pp_size != h.pp_size:
+            self.refuse(ident, f"group {name!r} serves {g.model!r} with tp_size {g.tp_size} x pp_size {g.pp_size}; "
+                               f"this shard says {h.model!r} / {h.tp_size} x {h.pp_size}", ob)
+        elif g.state != GroupState.JOINING or h.group_rank in g.shards:
+            self.refuse(ident, f"rank {h.group_rank} (tp rank {h.tp_rank}, stage {h.pp_rank}) of group {name!r} is "
+                               "already connected", ob)
         elif first is not None and first.hello.block_size != h.block_size:
             self.refuse(ident, f"block_size {h.block_size} differs from the group's {first.hello.block_size}", ob)
         elif other_mode:
@@ -262,14 +273,15 @@ class Groups:
         if h.model not in self.model_modes:
             self.model_modes[h.model] = h.numeric_mode
             log.info("model numeric mode fixed", model=h.model, mode=h.numeric_mode, by=h.worker_id)
-        g.shards[h.tp_rank] = Shard(h, ident, now)
-        self.shard_of[h.worker_id] = ShardRef(g.name, h.tp_rank)
-        log.info("worker joined", group=g.name, worker=h.worker_id, rank=h.tp_rank, tp=h.tp_size, device=h.device,
-                 kv_blocks=h.num_kv_blocks, pid=h.pid)
-        if h.tp_rank == 0:
+        rank = h.group_rank
+        g.shards[rank] = Shard(h, ident, now)
+        self.shard_of[h.worker_id] = ShardRef(g.name, rank)
+        log.info("worker joined", group=g.name, worker=h.worker_id, rank=h.tp_rank, tp=h.tp_size, stage=h.pp_rank,
+                 pp=h.pp_size, device=h.device, kv_blocks=h.num_kv_blocks, pid=h.pid)
+        if rank == 0:
             g.dist_init_addr = h.dist_init_addr
         self._welcome(g, ob)
-        if len(g.shards) == g.tp_size:
+        if len(g.shards) == g.size:
             g.state = GroupState.PROBING
             g.probe_id = uuid.uuid4().hex[:8]
             g.last_probe = 0.0
@@ -346,8 +358,9 @@ class Groups:
         Raises BadStepResult for one that does not answer the step (the caller ends the group)."""
         if g.in_flight is None or g.in_flight.seq != m.seq or g.policy is None:
             return None
-        if self.shard_of[m.worker_id].rank != 0:
-            raise InvalidRequest("only rank 0 of a group answers steps")
+        if self.shard_of[m.worker_id].rank != g.answer_rank:
+            raise InvalidRequest(f"only rank {g.answer_rank} of group {g.name!r} (tp rank 0 of its last stage) "
+                                 "answers steps")
         step = g.in_flight.step
         reason = self._check_result(g, step, m)
         if reason:
@@ -493,11 +506,12 @@ class Groups:
                 continue
             ps = g.policy.stats() if g.policy else {}
             out.append({
-                "name": g.name, "model": g.model, "state": g.state.value, "tp_size": g.tp_size,
+                "name": g.name, "model": g.model, "state": g.state.value, "tp_size": g.tp_size, "pp_size": g.pp_size,
                 "numeric_mode": next(iter(g.shards.values())).hello.numeric_mode if g.shards else "",
                 "steps": g.steps, "tokens": g.tokens, **ps,
                 "workers": [{
-                    "worker_id": s.hello.worker_id, "rank": r, "pid": s.hello.pid, "host": s.hello.host,
+                    "worker_id": s.hello.worker_id, "rank": r, "tp_rank": s.hello.tp_rank, "stage": s.hello.pp_rank,
+                    "pid": s.hello.pid, "host": s.hello.host,
                     "device": s.hello.device, "kv_blocks": s.hello.num_kv_blocks,
                     "rss_bytes": s.hello.memory.rss_bytes, "param_bytes": s.hello.memory.param_bytes,
                     "kv_bytes": s.hello.memory.kv_bytes,

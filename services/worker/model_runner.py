@@ -72,10 +72,11 @@ class _Batch:
 
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None, device: str | None = None) -> None:
+                 tp_group=None, device: str | None = None, pp_rank: int = 0) -> None:
         self.args = args
         self.cfg = model_cfg
         self.device = torch.device(device or args.device)
+        self.pp_size = getattr(args, "pp_size", 1)
         self.dtype = resolve_dtype(args.dtype, self.device, model_cfg)
         self.backend = resolve_backend(args.attention_backend, self.device)
         self.ops = get_ops(self.backend, self.device)
@@ -84,7 +85,11 @@ class ModelRunner:
         self.model = load_model(model_cfg, self.device, self.dtype, self.ops, tp_rank=tp_rank,
                                 tp_size=tp_size, tp_group=tp_group,
                                 quantization=getattr(args, "quantization", None),
-                                expert_parallel=getattr(args, "enable_expert_parallel", False))
+                                expert_parallel=getattr(args, "enable_expert_parallel", False),
+                                pp_rank=pp_rank, pp_size=self.pp_size)
+        # a pipeline stage's links to its neighbours (services/worker/pipeline.py), set once the
+        # group's torch.distributed world exists; None: the whole model is here
+        self.link = None
         self.block_size = args.block_size
         self.kv_dtype = resolve_kv_dtype(getattr(args, "kv_cache_dtype", "auto"), self.dtype)
         self.num_blocks = self._kv_capacity()
@@ -203,7 +208,9 @@ class ModelRunner:
         The steps, in order: the scheduler's state deltas (apply_state), the flat inputs with
         this step's drafts (_prepare_inputs), the forward (_forward), the embedding requests'
         pooling where they would sample (Pooler.pool), sampling with grammar rows and the
-        speculative verify (_sample), the bookkeeping (_advance)."""
+        speculative verify (_sample), the bookkeeping (_advance). A pipeline stage before the
+        last (services/worker/pipeline.py) passes its layers' output on in _forward and, instead
+        of pooling and sampling, takes the last stage's tokens (_follow)."""
         t0 = time.perf_counter()
         self.apply_state(step)
         req_ids = step.req_ids()
@@ -213,10 +220,13 @@ class ModelRunner:
         hidden = self._forward(b)
         out = StepResult(seq=step.seq, req_ids=req_ids, sampled_token_ids=np.full(b.B, -1, np.int32),
                          num_tokens=b.T)
-        if self.pooler.pooling:  # embedding requests pool their hidden states instead of sampling
-            b.sample_rows = self.pooler.pool(out, req_ids, hidden, b.qsl, b.sample_rows)
-        if len(b.sample_rows):
-            self._sample(step, b, hidden, out)
+        if hidden is None:  # an earlier pipeline stage: the last one pools and samples
+            self._follow(b, out)
+        else:
+            if self.pooler.pooling:  # embedding requests pool their hidden states instead of sampling
+                b.sample_rows = self.pooler.pool(out, req_ids, hidden, b.qsl, b.sample_rows)
+            if len(b.sample_rows):
+                self._sample(step, b, hidden, out)
         self._advance(b, out, t0)
         return out
 
@@ -267,8 +277,10 @@ class ModelRunner:
         return _Batch(states, counts, drafts, seq_lens, qsl, T, pure_decode, row_of_tok, positions, input_ids,
                       table, slots, sample_rows)
 
-    def _forward(self, b: _Batch) -> torch.Tensor:
-        """The model over the flat batch: hidden states, one row per token."""
+    def _forward(self, b: _Batch) -> torch.Tensor | None:
+        """The model over the flat batch: final hidden states, one row per token. A pipeline
+        stage after the first starts from the previous stage's output; one before the last passes
+        its layers' output on and returns None."""
         dev = self.device
         m_table, m_lens, m_qsl, m_qlen = b.table, b.seq_lens, b.qsl, int(b.counts.max())
         if b.drafts and b.pure_decode:
@@ -284,8 +296,19 @@ class ModelRunner:
             max_query_len=m_qlen,
             max_seq_len=int(b.seq_lens.max()),
         )
-        return self.model(torch.from_numpy(b.input_ids).to(dev, non_blocking=True),
-                          torch.from_numpy(b.positions).to(dev, non_blocking=True), self.kv_caches, meta)
+        input_ids = torch.from_numpy(b.input_ids).to(dev, non_blocking=True)
+        positions = torch.from_numpy(b.positions).to(dev, non_blocking=True)
+        if self.link is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        m = self.model
+        inter = None
+        if not m.stage.first:
+            inter = self.link.recv_hidden(b.T, self.cfg.hidden_size, self.dtype, m.carries_residual)
+        hidden = m(input_ids, positions, self.kv_caches, meta, intermediate=inter)
+        if m.stage.last:
+            return hidden
+        self.link.send_hidden(*hidden)
+        return None
 
     def _sample(self, step: Step, b: _Batch, hidden: torch.Tensor, out: StepResult) -> None:
         """Sample the rows that produce a token (and every draft position), verify the drafts,
@@ -318,6 +341,8 @@ class ModelRunner:
         else:
             for s, t in zip(ss, toks.tolist()):
                 s.token_ids.append(t)
+        if self.link is not None:  # the last pipeline stage: the earlier ones follow its samples
+            self.link.send_tokens(toks)
         out.sampled_token_ids[sample_rows] = toks
         if res.logprobs is not None:
             B, k = b.B, res.logprobs.shape[1]
@@ -328,6 +353,17 @@ class ModelRunner:
             out.logprob_token_ids[sample_rows] = res.logprob_token_ids[first].to("cpu", torch.int32).numpy()
             out.logprobs[sample_rows] = res.logprobs[first].float().cpu().numpy()
             out.ranks[sample_rows] = res.ranks[first].to("cpu", torch.int32).numpy()
+
+    def _follow(self, b: _Batch, out: StepResult) -> None:
+        """A pipeline stage before the last: the tokens the last stage sampled (embedding
+        requests pool there and sample none), appended to this stage's copy of each request."""
+        b.sample_rows = rows = self.pooler.sampling_rows(out.req_ids, b.sample_rows)
+        if not len(rows):
+            return
+        toks = self.link.recv_tokens(len(rows))
+        for i, t in zip(rows.tolist(), toks.tolist()):
+            b.states[i].token_ids.append(t)
+        out.sampled_token_ids[rows] = toks
 
     def _advance(self, b: _Batch, out: StepResult, t0: float) -> None:
         """Count the step's tokens as computed (the verify has taken rejected drafts off) and

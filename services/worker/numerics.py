@@ -122,8 +122,11 @@ def apply(model: torch.nn.Module, bf16: bool, hold_bf16: bool = False, kernels: 
 def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None, on_torch: int = 0,
               attention: str = "cpu") -> str:
     """What a CPU worker computes, as one comparable string: matmul dtype / kernel build (and bf16
-    path) / KV cache dtype / weight format, e.g. "float32/cpu-avx512/kv-float32/weights-auto";
-    then any part that leaves the kernels (linears on torch, another attention backend)."""
+    path) / KV cache dtype / weight format, e.g. "float32/cpu-avx512/kv-float32/weights-auto".
+    Linears left on torch (`on_torch` of them) add "torch-linears" without the count: which ones
+    follows from their shapes and the build, and a pipeline stage holds only some of the model's
+    linears, so a count would tell its stages (and a pp=1 group) apart where they compute alike.
+    Another attention backend than the per-row kernel adds "attention-NAME"."""
     if lib is None:
         build = "cpu-torch"
     else:
@@ -132,7 +135,7 @@ def mode_name(matmul: str, lib, kv_dtype: torch.dtype, quantization: str | None,
             build += "-vdpbf16ps" if lib.bf16_native else "-emulated"
     parts = [matmul, build, "kv-" + str(kv_dtype).removeprefix("torch."), f"weights-{quantization or 'auto'}"]
     if on_torch:
-        parts.append(f"torch-linears-{on_torch}")
+        parts.append("torch-linears")
     if attention != "cpu":  # --attention-backend torch: the padded SDPA twin, not per-row
         parts.append(f"attention-{attention}")
     return "/".join(parts)

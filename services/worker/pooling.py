@@ -59,4 +59,11 @@ class Pooler:
             return sample_rows
         out.embed_req_ids = ids
         out.embeddings = np.stack(vecs).astype(np.float32)
+        return self.sampling_rows(req_ids, sample_rows)
+
+    def sampling_rows(self, req_ids: list[str], sample_rows: np.ndarray) -> np.ndarray:
+        """The rows of `sample_rows` that sample a token: not an embedding request's. (A pipeline
+        stage before the last pools nothing; it asks this to know which tokens the last stage sends.)"""
+        if not self.pooling:
+            return sample_rows
         return np.asarray([r for r in sample_rows.tolist() if req_ids[r] not in self.pooling], np.int64)

@@ -3,12 +3,13 @@
 Start-up: load the model and size the KV cache, say HELLO (model, device, capacity), get
 WELCOME with the step PUB address (and, for tensor parallelism, rank 0's torch.distributed
 address), subscribe to the group's topic and acknowledge the scheduler's probe. Then every
-`Step` on the topic is applied to the runner's per-request state and computed; shard 0 answers
-with the sampled tokens. Joining, heartbeats (from a thread with its own socket, so a long step
+`Step` on the topic is applied to the runner's per-request state and computed; one shard answers
+with the sampled tokens: tp rank 0 of the last pipeline stage (`answers`; with one stage, shard 0). Joining, heartbeats (from a thread with its own socket, so a long step
 never looks like death) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s; on a
-rejoin the shard drops its state and joins again (a tensor-parallel shard exits EXIT_RESYNC:
-its group's collectives are gone); after a scheduler restart its HELLO lists the sequences whose
-KV its cache still holds (services/worker/kept.py), for the new scheduler to reuse. SIGTERM drains: the group takes no new work, finishes what
+rejoin the shard drops its state and joins again (a tensor- or pipeline-parallel shard exits
+EXIT_RESYNC: its group's collectives are gone); after a scheduler restart a one-shard worker's
+HELLO lists the sequences whose KV its cache still holds (services/worker/kept.py), for the new
+scheduler to reuse. SIGTERM drains: the group takes no new work, finishes what
 it runs, and the shard exits 0.
 """
 
@@ -34,7 +35,7 @@ from zeroserve.common.memory import freeze_startup_heap
 from zeroserve.common.model_config import ModelConfig
 from zeroserve.common.transport import Channel, free_port, make_socket
 from zeroserve.services.backend_peer import BackendPeer, Refused
-from zeroserve.services.worker import netif
+from zeroserve.services.worker import netif, pipeline
 from zeroserve.services.worker.kept import Kept
 from zeroserve.services.worker.model_runner import ModelRunner
 
@@ -79,23 +80,30 @@ class WorkerService:
                  worker_id: str | None = None, heartbeat_interval_s: float = 1.0,
                  dist_init_addr: str | None = None, advertise_host: str | None = None,
                  curve_keys: str | None = None, curve_client: str | None = None,
-                 collective_ifname: str | None = None) -> None:
+                 collective_ifname: str | None = None, pp_rank: int = 0) -> None:
         self.args = args
         # CURVE: every socket to the scheduler (dealer, heartbeat dealer, step SUB) uses this key
         self.curve = curve_client_keys(curve_keys, curve_client, role="worker")  # DIR/workers/NAME.key_secret
         self.curve_kw = self.curve.socket_kwargs() if self.curve else {}
         self.scheduler_addr = scheduler_addr
         self.tp_rank, self.tp_size = tp_rank, args.tp_size
+        # pipeline parallelism: the group is pp_size stages of tp_size shards (services/worker/pipeline.py)
+        self.pp_rank, self.pp_size = pp_rank, args.pp_size
+        if not 0 <= pp_rank < self.pp_size:
+            raise ValueError(f"--pp-rank {pp_rank} is outside the group's {self.pp_size} pipeline stages")
+        self.rank, self.world = P.group_rank(tp_rank, self.tp_size, pp_rank), self.tp_size * self.pp_size
+        self.answers = self.rank == P.answering_rank(self.tp_size, self.pp_size)  # sends the step results
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        self.group = group or (f"g-{self.worker_id}" if self.tp_size == 1 else None)
+        self.group = group or (f"g-{self.worker_id}" if self.world == 1 else None)
         if self.group is None:
-            raise ValueError("a tensor-parallel shard needs --group (the same name on every shard of the group)")
+            raise ValueError("a tensor- or pipeline-parallel shard needs --group (the same name on every shard of "
+                             "the group)")
         self.hb_interval = heartbeat_interval_s
         self.advertise_host = advertise_host
         self.collective_ifname = collective_ifname  # None: the interface carrying our address
         self.host = advertise_host or "127.0.0.1"  # the CLI fills it from ZEROSERVE_ADVERTISE_HOST
         self.dist_init_addr = dist_init_addr
-        if self.tp_size > 1 and self.tp_rank == 0 and not self.dist_init_addr:
+        if self.world > 1 and self.rank == 0 and not self.dist_init_addr:
             self.dist_init_addr = f"tcp://{self.host}:{free_port()}"
         self.device = self._device()
         self.model_cfg = ModelConfig.from_dir(args.model) if args.model else None  # None: a pool member, empty
@@ -112,29 +120,33 @@ class WorkerService:
 
     def _device(self) -> str:
         dev = self.args.device
-        if dev == "cuda" and self.tp_size > 1:
-            dev = f"cuda:{self.tp_rank % max(torch.cuda.device_count(), 1)}"
+        if dev == "cuda" and self.world > 1:
+            dev = f"cuda:{self.rank % max(torch.cuda.device_count(), 1)}"
         return dev
 
     # ------------------------------------------------------------------ setup
     def _init_distributed(self, addr: str | None) -> None:
-        if self.tp_size == 1 or self._dist_ready:
+        if self.world == 1 or self._dist_ready:
             return
         import datetime
 
         import torch.distributed as dist
 
         if not addr:
-            raise ZeroserveError("the scheduler gave no torch.distributed address for this tensor-parallel group")
+            raise ZeroserveError("the scheduler gave no torch.distributed address for this worker group")
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
-        self._bind_collectives(addr)
-        log.info("joining tensor-parallel group", addr=addr, rank=self.tp_rank, world=self.tp_size, backend=backend)
-        dist.init_process_group(backend, init_method=addr, rank=self.tp_rank, world_size=self.tp_size,
+        link_host = self._bind_collectives(addr)
+        log.info("joining the group's torch.distributed world", addr=addr, rank=self.rank, world=self.world,
+                 tp_rank=self.tp_rank, pp_rank=self.pp_rank, backend=backend)
+        dist.init_process_group(backend, init_method=addr, rank=self.rank, world_size=self.world,
                                 timeout=datetime.timedelta(seconds=120))
+        if self.pp_size > 1:
+            pipeline.connect(self.runner, self.tp_rank, self.tp_size, host=link_host)
         self._dist_ready = True
 
-    def _bind_collectives(self, rendezvous: str) -> None:
-        """gloo/NCCL on the interface the other shards reach us by (services/worker/netif.py)."""
+    def _bind_collectives(self, rendezvous: str) -> str:
+        """gloo/NCCL on the interface the other shards reach us by (services/worker/netif.py);
+        returns its address (where a pipeline stage's links listen)."""
         choice = netif.pick_interface(self.advertise_host, rendezvous)
         set_now = netif.bind_collectives(choice, self.collective_ifname)
         if self.collective_ifname:
@@ -146,12 +158,13 @@ class WorkerService:
                      **{v: os.environ[v] for v in netif.IFNAME_VARS if os.environ.get(v)}, found=choice.ifname)
         else:
             log.warning("collectives: no interface found; gloo/NCCL choose by the host name", why=choice.why)
+        return choice.address or self.host
 
     def _hello(self) -> P.Hello:
         return shard_hello(self.runner, self.args, self.model_cfg, worker_id=self.worker_id, group=self.group,
-                           tp_rank=self.tp_rank, tp_size=self.tp_size, device=self.device,
-                           host=socket.gethostname(), pid=os.getpid(),
-                           dist_init_addr=self.dist_init_addr if self.tp_rank == 0 else None,
+                           tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+                           device=self.device, host=socket.gethostname(), pid=os.getpid(),
+                           dist_init_addr=self.dist_init_addr if self.rank == 0 else None,
                            kept=self.kept.report())
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
@@ -198,11 +211,13 @@ class WorkerService:
 
     def _load_first(self) -> None:
         """The model, before the first HELLO (a pool member loads later: services/worker/pool.py)."""
-        log.info("loading model", model=self.args.model, device=self.device, rank=self.tp_rank, tp=self.tp_size)
+        log.info("loading model", model=self.args.model, device=self.device, rank=self.tp_rank, tp=self.tp_size,
+                 pp_rank=self.pp_rank, pp=self.pp_size)
         self.runner = ModelRunner(self.args, self.model_cfg, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                  device=self.device)
+                                  device=self.device, pp_rank=self.pp_rank)
+        layers = self.runner.model.stage.layers
         log.info("model loaded", kv_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
-                 param_bytes=self.runner.param_bytes())
+                 param_bytes=self.runner.param_bytes(), layers=f"{layers.start}-{layers.stop - 1}")
         freeze_startup_heap()
 
     def _sessions(self) -> int:
@@ -218,11 +233,11 @@ class WorkerService:
                 break
             except Rejoin as e:
                 self._log_rejoin(str(e))
-                if self.peer.rejoin_reason()[0] and self.tp_size == 1:  # a new scheduler: tell it our KV
+                if self.peer.rejoin_reason()[0] and self.world == 1:  # a new scheduler: tell it our KV
                     self.kept.take(self.runner.reqs.values(), self.runner.block_size)
                 self.runner.reqs.clear()
                 self.peer.rejoin.clear()  # taken: the heartbeat thread's stuck check stands down
-                if self.tp_size > 1:  # the group's collectives are gone with it: restart cleanly
+                if self.world > 1:  # the group's collectives are gone with it: restart cleanly
                     code = EXIT_RESYNC
                     break
         return code
@@ -319,7 +334,7 @@ class WorkerService:
         self.busy_s += out.step_time_s
         self.step_times.append(out.step_time_s)
         del self.step_times[:-100]
-        if self.tp_rank == 0:
+        if self.answers:
             out.worker_id = self.worker_id
             self.dealer_ch.send(out)
 
@@ -351,4 +366,4 @@ def main(args) -> int:
                                worker_id=wargs.worker_id, heartbeat_interval_s=wargs.heartbeat_interval_s,
                                dist_init_addr=wargs.dist_init_addr, advertise_host=wargs.advertise_host,
                                curve_keys=wargs.curve_keys, curve_client=wargs.curve_client,
-                               collective_ifname=wargs.collective_ifname))
+                               collective_ifname=wargs.collective_ifname, pp_rank=wargs.pp_rank))

@@ -66,7 +66,9 @@
   function shardsCell(g) {
     const td = ZS.el("td", "shards");
     for (const w of g.workers || []) {
-      const line = ZS.el("div", "", "r" + w.rank + " " + w.worker_id + " @ " + w.host + " (pid " + w.pid + ", "
+      // a pipeline-parallel group's shards name their stage (its layers live on that host)
+      const stage = (g.pp_size || 1) > 1 ? " stage " + w.stage : "";
+      const line = ZS.el("div", "", "r" + w.rank + stage + " " + w.worker_id + " @ " + w.host + " (pid " + w.pid + ", "
         + w.device + (w.heartbeat_age_s !== undefined ? ", seen " + fmt(w.heartbeat_age_s, 1) + " s ago" : "") + ")");
       td.appendChild(line);
     }

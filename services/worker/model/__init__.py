@@ -29,7 +29,8 @@ INITS = ("random", "empty", "none")
 
 
 def build_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int = 0, tp_size: int = 1,
-                tp_group=None, init: str = "random", seed: int = 0, expert_parallel: bool = False) -> CausalLM:
+                tp_group=None, init: str = "random", seed: int = 0, expert_parallel: bool = False,
+                pp_rank: int = 0, pp_size: int = 1) -> CausalLM:
     """Build the model for this shard without reading any weight file.
 
     init="random": deterministic N(0, 0.02) linears/embeddings and unit norms (seeded per rank);
@@ -37,7 +38,7 @@ def build_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int 
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     model = CausalLM(cfg, device, dtype, ops, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                     expert_parallel=expert_parallel)
+                     expert_parallel=expert_parallel, pp_rank=pp_rank, pp_size=pp_size)
     model.eval()
     if init == "random":
         _random_init(model, seed * 1009 + tp_rank)
@@ -64,8 +65,10 @@ def _random_init(model: CausalLM, seed: int) -> None:
 
 
 def load_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int = 0, tp_size: int = 1,
-               tp_group=None, quantization: str | None = None, expert_parallel: bool = False) -> CausalLM:
-    """Build this shard's model and fill it from `cfg.model_dir`: safetensors files, or a .gguf file.
+               tp_group=None, quantization: str | None = None, expert_parallel: bool = False,
+               pp_rank: int = 0, pp_size: int = 1) -> CausalLM:
+    """Build this shard's model and fill it from `cfg.model_dir`: safetensors files, or a .gguf file
+    (a pipeline stage reads only its layers' tensors, services/worker/pipeline.py).
 
     quantization: None/"auto" (GGUF: packed where a kernel exists), "none", "int8" or "int4"."""
     if not cfg.model_dir:
@@ -73,7 +76,7 @@ def load_model(cfg: ModelConfig, device, dtype: torch.dtype, ops, tp_rank: int =
     quantization = resolve_quantization(quantization)
     kind, path = resolve_model_path(cfg.model_dir)
     model = build_model(cfg, device, dtype, ops, tp_rank, tp_size, tp_group, init="empty",
-                        expert_parallel=expert_parallel)
+                        expert_parallel=expert_parallel, pp_rank=pp_rank, pp_size=pp_size)
     if kind == "gguf":  # imported here: only GGUF models need the gguf package
         from zeroserve.services.worker.model.gguf_loader import load_gguf_weights
 

@@ -6,9 +6,9 @@ every token decodes. It reads the model's own parameters and packed weights (not
 and runs the same kernels in the same order (in the model's numeric mode: fp32, or the bf16
 regime at every row count, as QuantizableWeight.matmul), so its hidden states equal the Python
 path's bit for bit, and whether a step runs here never changes a token: prefill and mixed
-steps, GPUs, tensor parallelism, float (unpacked) linears and machines without the compiled
-kernels stay on the Python path, and so do models that are not the plain Llama/Qwen shape
-(`ModelConfig.llama_shape`: sliding windows, soft-caps, GeGLU, other norm layouts, ...).
+steps, GPUs, tensor and pipeline parallelism, float (unpacked) linears and machines without the
+compiled kernels stay on the Python path, and so do models that are not the plain Llama/Qwen
+shape (`ModelConfig.llama_shape`: sliding windows, soft-caps, GeGLU, other norm layouts, ...).
 
 With LoRA adapters attached (services/worker/lora.py) the step adds each row's adapter delta
 after every linear, through the same per-row kernel as the Python path (csrc/lora.c), so steps
@@ -101,7 +101,7 @@ class CpuDecodeStep:
         from zeroserve.kernels import cpu_ops
 
         if (_turned_off() or model.ops is not cpu_ops or model.device.type != "cpu" or model.dtype != torch.float32
-                or model.tp.size != 1 or not model.cfg.llama_shape or model.cfg.is_moe or model.cfg.qk_norm_full):
+                or model.tp.size != 1 or model.stage.size != 1 or not model.cfg.llama_shape or model.cfg.is_moe or model.cfg.qk_norm_full):
             return None  # decode_step.c computes the plain Llama/Qwen layer only (no window, cap, GeGLU, MoE, ...)
         for layer in model.layers:
             mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -29,6 +29,7 @@ from zeroserve.services.worker.model.layers import (
 )
 from zeroserve.services.worker.model.blocks import MLP, Attention
 from zeroserve.services.worker.model.moe import SparseMoeBlock, moe_prefix
+from zeroserve.services.worker.pipeline import StageInfo
 
 
 class DecoderLayer(nn.Module):
@@ -75,12 +76,17 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM over a paged KV cache; see the package docstring for the interface."""
+    """Decoder-only LM over a paged KV cache; see the package docstring for the interface.
+
+    A pipeline stage (pp_size > 1, services/worker/pipeline.py) holds only its layers (`layers[i]`
+    is global layer `stage.layers[i]`), the embedding on the first stage and the final norm and
+    LM head on the last; the others are None."""
 
     lora_ctx = None  # services/worker/lora.py's LoRAContext, when adapters are enabled
 
     def __init__(self, cfg: ModelConfig, device, dtype: torch.dtype, ops,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, expert_parallel: bool = False):
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, expert_parallel: bool = False,
+                 pp_rank: int = 0, pp_size: int = 1):
         super().__init__()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
@@ -93,7 +99,8 @@ class CausalLM(nn.Module):
         divide(cfg.num_heads, tp_size, "num_attention_heads")
         divide(cfg.num_kv_heads, tp_size, "num_key_value_heads")
         divide(cfg.intermediate_size, tp_size, "intermediate_size")
-        self.num_layers = cfg.num_layers
+        self.stage = StageInfo.of(cfg.num_layers, pp_rank, pp_size)
+        self.num_layers = len(self.stage.layers)  # this stage's (its KV cache has as many)
         self.num_heads = cfg.num_heads // tp_size
         self.num_kv_heads = cfg.num_kv_heads // tp_size
         self.head_dim = cfg.head_dim
@@ -104,7 +111,10 @@ class CausalLM(nn.Module):
         # Gemma 3: the sliding layers rotate with their own base (plain RoPE)
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
                                              None, ops, self.device) if cfg.rope_local_theta is not None else None)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype)
+        first, last = self.stage.first, self.stage.last
+        # the last stage of a tied model holds the embedding as its LM head's weight
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype)
+                             if first or (last and cfg.tie_word_embeddings) else None)
         layer_cls = DecoderLayer
         if cfg.norm_layout != "pre":
             from zeroserve.services.worker.model.post_norm import PostNormDecoderLayer as layer_cls
@@ -112,29 +122,41 @@ class CausalLM(nn.Module):
             layer_cls(cfg, i, self.tp, ops,
                       self.rotary_local if self.rotary_local is not None and cfg.layer_window(i) else self.rotary,
                       self.device, dtype, expert_parallel)
-            for i in range(cfg.num_layers)
+            for i in self.stage.layers
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, self.device, dtype,
-                            offset=cfg.norm_weight_offset)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype,
-                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, self.device, dtype,
+                             offset=cfg.norm_weight_offset) if last else None)
+        self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, self.device, dtype,
+                                       tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+                        if last else None)
+        # what a stage passes on besides the hidden states: pre-norm layers carry the residual
+        # stream (its add is fused into the next norm); post-norm layers fold it into hidden
+        self.carries_residual = cfg.norm_layout == "pre"
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
-        """input_ids[T], positions[T] -> final-normed hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, intermediate=None):
+        """input_ids[T], positions[T] -> final-normed hidden states [T, hidden].
+
+        A pipeline stage after the first starts from `intermediate` = (hidden, residual) as the
+        previous stage returned them (input_ids unused); a stage before the last returns
+        (hidden, residual) instead of normed states."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
-        hidden = self.embed_tokens(input_ids)
-        if self.cfg.embedding_multiplier != 1.0:  # Gemma sqrt(hidden), Granite embedding_multiplier
-            hidden = hidden * self.cfg.embedding_multiplier
         positions = self.rotary.rope_positions(positions, meta)  # LongRoPE: short or long rows
-        step = self._cpu_step()
-        lora = self.lora_ctx.batch if self.lora_ctx is not None else None  # this step's adapter rows
-        if step is not None and (lora is None or step.has_lora) and step.applies(meta, hidden, kv_caches):
-            return step(hidden, positions, kv_caches, meta, lora)  # the same layers, in one compiled call
-        residual = None
+        if intermediate is not None:
+            hidden, residual = intermediate
+        else:
+            hidden, residual = self.embed_tokens(input_ids), None
+            if self.cfg.embedding_multiplier != 1.0:  # Gemma sqrt(hidden), Granite embedding_multiplier
+                hidden = hidden * self.cfg.embedding_multiplier
+            step = self._cpu_step()
+            lora = self.lora_ctx.batch if self.lora_ctx is not None else None  # this step's adapter rows
+            if step is not None and (lora is None or step.has_lora) and step.applies(meta, hidden, kv_caches):
+                return step(hidden, positions, kv_caches, meta, lora)  # the same layers, in one compiled call
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta)
-        if residual is None:  # zero layers
+        if not self.stage.last:
+            return hidden, residual
+        if residual is None:  # zero layers, or post-norm layers
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -187,10 +209,13 @@ class CausalLM(nn.Module):
 
     def weight_sources(self) -> dict[str, list[WeightSource]]:
         """Our parameter name -> checkpoint pieces that fill it (this shard's slices only)."""
-        out = {"embed_tokens.weight": self.embed_tokens.sources("model.embed_tokens.weight"),
-               "norm.weight": self.norm.sources("model.norm.weight")}
-        for i, layer in enumerate(self.layers):
+        out = {}
+        if self.embed_tokens is not None:
+            out["embed_tokens.weight"] = self.embed_tokens.sources("model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):  # local index i; the layer's prefix names its global one
             out.update({f"layers.{i}.{k}": v for k, v in layer.weight_sources().items()})
-        if not self.cfg.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.sources("lm_head.weight")
+        if self.stage.last:
+            out["norm.weight"] = self.norm.sources("model.norm.weight")
+            if not self.cfg.tie_word_embeddings:
+                out["lm_head.weight"] = self.lm_head.sources("lm_head.weight")
         return out

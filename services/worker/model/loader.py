@@ -128,7 +128,7 @@ def load_weights(model, model_dir: str | Path, quantization: str | None = None) 
 
 def _zero_vocab_padding(model) -> None:
     for mod in (model.embed_tokens, model.lm_head):
-        if getattr(mod, "tied", False) or mod.quantized:  # packed: real rows only
+        if mod is None or getattr(mod, "tied", False) or mod.quantized:  # not on this stage; packed: real rows only
             continue
         real = max(0, min(mod.end, mod.vocab_size) - mod.start)
         if real < mod.shard_size:

@@ -67,7 +67,7 @@ def int_targets(model, quantization: str) -> dict[str, tuple[QuantizableWeight, 
     if quantization not in INT_GROUP:
         return {}
     out = {}
-    head = model.lm_head.weight_module()
+    head = model.lm_head.weight_module() if model.lm_head is not None else None  # None: not the last stage
     for pname, mod in model.quantizable().items():
         if mod is head:
             out[pname] = (mod, *LM_HEAD)
@@ -100,7 +100,9 @@ def log_summary(model, quantization: str, source: str) -> None:
 
 
 def _head_format(model) -> str:
-    head: ParallelLMHead = model.lm_head
+    head: ParallelLMHead | None = model.lm_head
+    if head is None:
+        return "none (an earlier pipeline stage)"
     m = head.weight_module()
     fmt = m.qweight.format if m.qweight is not None else "float"
     return f"{fmt} (tied)" if head.tied else fmt
