@@ -260,7 +260,8 @@ class PoolCluster(LocalCluster):
         return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, *self.catalog_args),
                            role="detokenizer")
 
-    def start_worker(self, group: str, rank: int = 0, tp=None, extra=None):
+    def start_worker(self, group: str, rank: int = 0, tp=None, extra=None, stage: int = 0):
+        # a pool member is one shard: `rank`, `tp` and `stage` keep LocalCluster's signature
         return self._start(group, self._cmd(
             "worker", "--scheduler", self.backend, "--pool", "--worker-id", group,
             "--num-kv-blocks", str(self.num_kv_blocks), "--threads", str(self.threads), *self.worker_args,
