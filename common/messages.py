@@ -447,11 +447,17 @@ class NewRequest(Message):
     # an embedding request: once its prompt is computed the worker returns this pooling of the
     # final hidden states (StepResult.embeddings) instead of sampling a token
     pooling: Pooling | None = None
+    # the first this many tokens' K/V are in the cache already (a prefix-cache hit of every full
+    # block): tokens below it that the step computes (the last one, for its logits) write no K/V,
+    # so a block other requests share is never written to
+    num_cached_kv_tokens: Count = 0
 
     def check(self) -> str | None:
         if (self.lora_path is None) != (self.params.lora is None):
             return "lora_path comes with params.lora (and only with it)"
         n = self.token_ids.shape[0]
+        if self.num_cached_kv_tokens > n:
+            return f"num_cached_kv_tokens {self.num_cached_kv_tokens} exceeds the request's {n} tokens"
         if self.num_prompt_tokens > n:
             return f"num_prompt_tokens {self.num_prompt_tokens} not in [0, {n}]"
         if self.num_computed_tokens + self.num_scheduled_tokens > n:

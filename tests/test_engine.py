@@ -165,7 +165,7 @@ def test_prefix_cache_hits_match_hf_and_skip_compute(arch):
     full = (len(PREFIX) // BS) * BS
     shared_hits = [cached_on[i] for i in SHARED]
     assert sum(c >= full for c in shared_hits) >= len(SHARED) - 1, shared_hits
-    assert all(c % BS == 0 and c < len(PROMPTS[i]) for i, c in zip(idxs, cached_on))
+    assert all((c % BS == 0 or c == len(PROMPTS[i]) - 1) and c < len(PROMPTS[i]) for i, c in zip(idxs, cached_on))
     assert all(cached_on[i] == 0 for i in range(len(RANDOM_LENS) + 1))
     # ... and the model really computed fewer tokens, exactly the cached ones fewer
     total_on = on.engine.scheduler.num_computed_tokens_total
@@ -186,11 +186,12 @@ def test_prefix_cache_hits_match_hf_and_skip_compute(arch):
 
 
 def test_identical_prompts_at_block_boundaries_share_full_blocks():
-    """Copies of one prompt in a batch reuse its full blocks but always compute the last
-    prompt token themselves: 16 tokens -> 0 cached, 32 -> 16, 33 -> 32."""
+    """Copies of one prompt in a batch reuse its full blocks, the last one too, and compute
+    only what the cache lacks, at least the last prompt token (its logits; its K/V, already in
+    the shared block, is not written again): 16 tokens -> 15 cached, 32 -> 31, 33 -> 32."""
     arch = "qwen3"
     llm = make_llm(arch, num_kv_blocks=256)
-    for i, cached in ((6, 0), (9, 16), (10, 32)):  # 16, 32, 33 tokens
+    for i, cached in ((6, 15), (9, 31), (10, 32)):  # 16, 32, 33 tokens
         assert len(PROMPTS[i]) in (16, 32, 33)
         outs = llm.generate([PROMPTS[i]] * 3, greedy(MAX_TOKENS[i]))
         check_against_hf(arch, [i] * 3, outs)
@@ -232,3 +233,26 @@ def test_workload_exercises_eos_under_ignore_eos():
     llm = make_llm("qwen2", num_kv_blocks=256)
     [out] = llm.generate(PROMPTS[i], greedy(MAX_TOKENS[i]))
     assert out.outputs[0].token_ids == ref and out.outputs[0].finish_reason == "length"
+
+
+def test_repeated_prompt_writes_no_kv_into_its_cached_blocks():
+    """A prompt sent again whose every block is cached computes one token, whose K/V slot the
+    worker leaves alone (slot -1): the block is shared with the cache and other requests."""
+    arch = "qwen3"
+    llm = make_llm(arch, num_kv_blocks=256)
+    i = 9  # 32 tokens: two full blocks
+    first = llm.generate(PROMPTS[i], greedy(MAX_TOKENS[i]))
+    runner = llm.engine.runner
+    seen, prepare = [], runner._prepare_inputs
+
+    def recording(step, req_ids):
+        b = prepare(step, req_ids)
+        seen.append((b.T, b.slots.copy()))
+        return b
+
+    runner._prepare_inputs = recording
+    again = llm.generate(PROMPTS[i], greedy(MAX_TOKENS[i]))
+    check_against_hf(arch, [i, i], first + again)
+    assert again[0].num_cached_tokens == 31
+    assert seen[0][0] == 1 and seen[0][1].tolist() == [-1]  # one token computed, nothing written
+    assert all((s >= 0).all() for _, s in seen[1:])  # the decode tokens write their K/V as ever

@@ -59,8 +59,9 @@ def test_prefix_cache_equality_check_and_chaining():
     assert bm.lookup(other) == []
     # same first block only
     assert len(bm.lookup(a.token_ids[:16] + [1] * 17)) == 1
-    # a lookup always leaves at least one token to compute
-    assert len(bm.lookup(a.token_ids[:32])) == 1
+    # every full block counts, the last one too (take_cached leaves the last token to compute)
+    assert len(bm.lookup(a.token_ids[:32])) == 2
+    assert bm.num_cached_prefix_tokens(a.token_ids[:32]) == 31
 
 
 def test_continuous_batching_respects_budget_and_seats():
@@ -139,6 +140,26 @@ def test_prefix_cache_hit_skips_computation():
     assert so.new_reqs[0].num_computed_tokens == 64
     assert so.num_scheduled()["b"] == 3
     assert s.bm.hits == 64
+
+
+def test_whole_prompt_cached_computes_only_its_last_token_without_writing_it():
+    """A prompt whose every block is cached (a repeated prompt, the length a multiple of the
+    block size) computes its last token again for the logits, and tells the worker not to write
+    that token's K/V: the block it sits in is shared with the cache."""
+    s = make_sched(budget=512)
+    prompt = list(range(1000, 1032))  # two full blocks
+    s.add_request(Request("a", list(prompt), SamplingParams(max_tokens=1), 0, 1024))
+    first, _ = run_step(s)
+    assert first.new_reqs[0].num_cached_kv_tokens == 0
+    s.schedule()  # a finished (max_tokens=1): its blocks are freed and stay cached
+    s.add_request(Request("b", list(prompt), SamplingParams(max_tokens=1), 0, 1024))
+    so = s.schedule()
+    n = so.new_reqs[0]
+    assert (n.num_computed_tokens, n.num_scheduled_tokens, n.num_cached_kv_tokens) == (31, 1, 32)
+    assert n.check() is None
+    assert s.bm.hits == 31
+    # both blocks are the cached ones, shared (no copy), and no new block for the last token
+    assert s.requests["b"].block_ids == first.new_reqs[0].block_ids.tolist()
 
 
 def test_n_samples_share_prompt_blocks_without_prefix_cache():

@@ -78,12 +78,15 @@ class BlockManager:
             prev_hash = hash(key)
 
     def lookup(self, token_ids: list[int], lora_path: str | None = None) -> list[int]:
-        """Block ids caching the longest full-block prefix of `token_ids` (under the adapter at `lora_path`),
-        leaving at least one token to compute (the last one's logits are needed)."""
+        """Block ids caching the longest full-block prefix of `token_ids` (under the adapter at `lora_path`).
+        Every full block counts, the last one too: where the whole sequence is cached, its last
+        token is computed again for its logits and its K/V, already in the shared block, is not
+        written (take_cached; NewRequest.num_cached_kv_tokens), so a repeated prompt costs one
+        token, not a block."""
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for key in self._chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, cache_root(lora_path)):
+        for key in self._chain_keys(token_ids, len(token_ids) // self.block_size, cache_root(lora_path)):
             block = self.cache.get(key)
             if block is None:
                 break
@@ -92,15 +95,17 @@ class BlockManager:
 
     def num_cached_prefix_tokens(self, token_ids: list[int], lora_path: str | None = None) -> int:
         """Prefix-cache hit length for routing decisions (no side effects)."""
-        return len(self.lookup(token_ids, lora_path)) * self.block_size
+        return min(len(self.lookup(token_ids, lora_path)) * self.block_size, max(len(token_ids) - 1, 0))
 
-    def take_cached(self, req: Request, blocks: list[int]) -> None:
-        """Give `req` (which holds no blocks yet) the cached prefix `blocks`."""
+    def take_cached(self, req: Request, blocks: list[int]) -> int:
+        """Give `req` (which holds no blocks yet) the cached prefix `blocks`; it computes from the
+        blocks' end, or from its last token where they hold every token (the logits are needed).
+        -> how many tokens' K/V the blocks hold (the worker writes none of those again)."""
         assert not req.block_ids
         for b in blocks:
             self._incref(b)
         req.block_ids = list(blocks)
-        req.num_computed_tokens = len(blocks) * self.block_size
+        req.num_computed_tokens = min(len(blocks) * self.block_size, req.num_tokens - 1)
         req.num_cached_tokens = req.num_computed_tokens
         self.queries += req.num_prompt_tokens
         self.hits += req.num_computed_tokens
@@ -110,6 +115,7 @@ class BlockManager:
             for key in self._chain_keys(req.token_ids, len(blocks), _root(req)):
                 prev = hash(key)
                 req.block_hashes.append(prev)
+        return len(blocks) * self.block_size
 
     def share(self, req: Request, blocks: list[int], num_tokens: int) -> None:
         """Copy-free sharing of a sibling's computed prefix (n > 1)."""

@@ -189,6 +189,7 @@ class Scheduler:
                 if not self._lora_fits(req):
                     j += 1  # its adapter would be one too many in the batch: later, when one frees
                     continue
+                kv_cached = 0  # tokens whose K/V a cache hit brings (the worker writes none of them)
                 if req.num_computed_tokens == 0 and not req.block_ids:
                     wait_for_sibling = self._share_from_sibling(req)
                     if wait_for_sibling:
@@ -198,7 +199,7 @@ class Scheduler:
                     if not req.block_ids and req.pooling is None:
                         cached = self.bm.lookup(req.token_ids, req.lora_path)
                         if cached:
-                            self.bm.take_cached(req, cached)
+                            kv_cached = self.bm.take_cached(req, cached)
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
                 if not self.bm.can_allocate(req, num_new):
                     self.bm.release(req)  # give back cache hits; retried next step
@@ -213,7 +214,8 @@ class Scheduler:
                     req_id=req.req_id, token_ids=np.asarray(req.token_ids, np.int32),
                     num_prompt_tokens=req.num_prompt_tokens, params=req.params, seed=req.seed,
                     block_ids=np.asarray(req.block_ids, np.int32), num_computed_tokens=req.num_computed_tokens,
-                    num_scheduled_tokens=num_new, lora_path=req.lora_path, pooling=req.pooling))
+                    num_scheduled_tokens=num_new, lora_path=req.lora_path, pooling=req.pooling,
+                    num_cached_kv_tokens=kv_cached))
                 self._commit(req, num_new)
                 out.scheduled(req)
                 budget -= num_new

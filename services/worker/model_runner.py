@@ -271,6 +271,12 @@ class ModelRunner:
         if (seq_lens > nblocks * bs).any():
             raise ValueError("a request's tokens exceed its blocks in step")
         slots = table[row_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+        nc = len(step.cached.req_ids)  # new requests' rows follow the cached ones
+        for i, n in enumerate(step.new_reqs):
+            if n.num_cached_kv_tokens > n.num_computed_tokens:  # computed for its logits, K/V cached already
+                a = int(qsl[nc + i])
+                rows = slice(a, a + min(n.num_cached_kv_tokens - n.num_computed_tokens, int(counts[nc + i])))
+                slots[rows] = -1  # a slot < 0 is not written: the block is shared, its content stays
         # which requests produce a token: their sequence is fully computed after this step
         num_tokens = np.fromiter((len(s.token_ids) for s in states), np.int64, B)
         sample_rows = np.nonzero(seq_lens == num_tokens)[0]
