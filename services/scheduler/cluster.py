@@ -32,14 +32,13 @@ from zeroserve.common.sampling_params import SamplingParams, with_model_defaults
 from zeroserve.services.scheduler import adoption
 from zeroserve.services.scheduler.admission import check_params_for_model, fan_out
 from zeroserve.services.scheduler.delivery import DETOK_ALIVE_S, Delivery, Live, Seq
-from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, Groups
+from zeroserve.services.scheduler.groups import CHECK_INTERVAL_S, BadStepResult, Groups
 from zeroserve.services.scheduler.lora import LoRAAdmin
 from zeroserve.services.scheduler.metrics import SchedulerMetrics
 from zeroserve.services.scheduler.models import ModelInfo
 from zeroserve.services.scheduler.outbox import Outbox
 from zeroserve.services.scheduler.pool import Pool
 from zeroserve.services.scheduler.request import Request
-from zeroserve.services.scheduler.step_check import BadStepResult
 
 if TYPE_CHECKING:
     from zeroserve.common.catalog import CatalogEntry

@@ -192,6 +192,8 @@ class WorkerService:
              "step_ms": round(1000 * sum(recent) / len(recent), 3) if recent else 0.0}
         if self.device.startswith("cuda"):
             s["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+        if r is not None and r.link is not None:  # a pipeline stage: seconds it waited for its peers
+            s["pp_wait_s"] = round(r.link.wait_s, 4)
         return s
 
     # ------------------------------------------------------------------ serving
