@@ -15,7 +15,8 @@ One module-scoped cluster (scheduler, detokenizer, groups g0 and g1 of two stage
 4. a stage of a new group g2 stopped (SIGSTOP) mid-run: the same, once its heartbeats are missed.
 
 Then, each in a cluster of its own: an MoE family (mixtral) at pp=2, and tp=2 x pp=2 (four
-shards in one group), both equal to HF's greedy tokens.
+shards in one group), both equal to HF's greedy tokens; three stages with three steps in flight,
+equal to pp=1's tokens.
 """
 
 from __future__ import annotations
@@ -204,6 +205,23 @@ def test_more_shapes_match_hf(arch, tp):
         got = _generate_all(c, concurrent=True)
     for i, (toks, p) in enumerate(zip(got, _prompts())):
         assert toks == hf_greedy(arch, p, MAX_TOKENS), f"{arch} tp={tp} pp=2, prompt {i}: != HF"
+
+
+def test_pp3_three_steps_in_flight_match_pp1():
+    """Three stages (a middle one that both receives hidden states and is owed tokens), three
+    steps in flight over eight concurrent requests: greedy tokens equal the in-process pp=1
+    engine's on the same three-layer model."""
+    from zeroserve import LLM
+
+    d = cached_model_dir("llama", num_hidden_layers=3)
+    prompts = _prompts() * 2
+    with LocalCluster(d, workers=1, pp=3, num_kv_blocks=128).running(groups=1, timeout=240) as c:
+        with c.client(timeout_s=90.0) as cl, ThreadPoolExecutor(len(prompts)) as ex:
+            got = [list(o.outputs[0].token_ids) for o in ex.map(lambda p: cl.generate(p, _params()), prompts)]
+        g = _group(c, "g0")
+        assert sorted(w["stage"] for w in g["workers"]) == [0, 1, 2] and g["peak_steps_in_flight"] == 3, g
+    want = [list(o.outputs[0].token_ids) for o in LLM(str(d), num_kv_blocks=128).generate(prompts, _params())]
+    assert got == want
 
 
 @pytest.mark.timeout(600)

@@ -212,7 +212,7 @@ class ModelRunner:
         last (services/worker/pipeline.py) passes its layers' output on in _forward and, instead
         of pooling and sampling, takes the last stage's tokens (_follow)."""
         t0 = time.perf_counter()
-        if self.link is not None:  # a pipelined stage: tokens still owed to the requests it names
+        if self.link is not None and self.link.owed:  # a pipelined stage: tokens owed to requests it names
             self.link.settle([*step.cached.req_ids, *(n.req_id for n in step.new_reqs), *step.finished_req_ids])
         self.apply_state(step)
         req_ids = step.req_ids()

@@ -6,9 +6,9 @@ address), subscribe to the group's topic and acknowledge the scheduler's probe. 
 `Step` on the topic is applied to the runner's per-request state and computed; one shard answers
 with the sampled tokens: tp rank 0 of the last pipeline stage (`answers`; with one stage, shard 0).
 A stage before the last takes its next step without waiting for the last stage's tokens
-(services/worker/pipeline.py: several steps in flight). Joining, heartbeats (from a thread with its own socket, so a long step
-never looks like death) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s; on a
-rejoin the shard drops its state and joins again (a tensor- or pipeline-parallel shard exits
+(services/worker/pipeline.py: several steps in flight). Joining, heartbeats (from a thread
+with its own socket, so a long step never looks like death) and noticing a restarted scheduler
+are `zeroserve.services.backend_peer`'s; on a rejoin the shard drops its state and joins again (a tensor- or pipeline-parallel shard exits
 EXIT_RESYNC: its group's collectives are gone); after a scheduler restart a one-shard worker's
 HELLO lists the sequences whose KV its cache still holds (services/worker/kept.py), for the new
 scheduler to reuse. SIGTERM drains: the group takes no new work, finishes what
@@ -275,7 +275,7 @@ class WorkerService:
                     self.dealer_ch.send(P.Drain(worker_id=self.worker_id))
                     drain_sent = True
                 events = dict(poller.poll(200))
-                link = self.runner.link
+                link = getattr(self.runner, "link", None)  # a pipeline stage's links (None: one stage)
                 if link is not None and link.owed and sub not in events:  # idle: take tokens already back
                     link.settle_ready()
                 if self.dealer in events and self._on_dealer(self._recv(self.dealer_ch)):
