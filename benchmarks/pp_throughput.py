@@ -11,9 +11,12 @@ model's), the weight bytes and the KV-cache bytes it holds. The runs' tokens mus
 
     python benchmarks/pp_throughput.py --requests 16 --output 64 --threads 1 [--wire zmq|dist] [--json]
 
-Stages run one after the other within a step (one step in flight per group), so the ideal here
-is pp=2 at pp=1's throughput with half the memory per process; what pp=2 loses is the
-transfer of hidden states and of the sampled tokens, and the wake-ups, per step.
+Stages run one after the other within a step (one step in flight: each stage's in-process
+engine needs the step's tokens as its result), so the ideal here is pp=2 at pp=1's throughput
+with half the memory per process; what pp=2 loses is the transfer of hidden states and of the
+sampled tokens, and the wake-ups, per step. Several steps in flight (stage 0 computing step n+1
+while stage 1 computes step n) run only in worker processes: benchmarks/pp_cluster.py measures
+them through the cluster.
 """
 
 from __future__ import annotations

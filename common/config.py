@@ -621,6 +621,9 @@ class SchedulerConfig(ServeArgs, AdvertiseArgs, TokenizerArgs, PoolArgs, Generat
                                        flag="--model-load-timeout")
     max_waiting_per_model: int = knob(256, "requests one catalog model may hold waiting for a load before new "
                                            "ones get Overloaded")
+    pp_steps_in_flight: int | None = knob(None, "steps a group of several pipeline stages computes at once, each "
+                                                "over its own requests (default: one per stage, so every stage "
+                                                "works; 1: one step at a time)")
 
     def addresses(self) -> dict[str, str]:
         h, p = self.host, self.port

@@ -252,7 +252,8 @@ class LLMEngine:
         except BaseException:
             # nothing of the step is accepted; the caller aborts its requests (LLM.generate),
             # whose ids the next step drops from the runner's state
-            g.in_flight = None
+            g.flights.clear()
+            g.policy.returned(step)
             raise
         out.worker_id = WORKER_ID.decode()
         return out

@@ -141,6 +141,8 @@ class Net:
         self.clients: dict[bytes, list] = defaultdict(list)
         self.detok: FakeDetok | None = None
         self.hung: set[str] = set()  # groups that stop answering steps
+        # steps a group answers per loop turn (None: all it has); 1 keeps a pipeline's steps in flight
+        self.answers_per_turn: int | None = None
         self.silent: set[str] = set()  # groups that stop heartbeating
 
     def send(self, ob: Outbox) -> Outbox:
@@ -158,12 +160,13 @@ class Net:
 
     # -------------------------------------------------------------- peers
     def join(self, group: str, tp: int = 1, blocks: int = 64, max_loras: int = 0,
-             kept: list[P.KeptSeq] | None = None) -> list[FakeWorker]:
-        """A group of `tp` shards joins and is probed ready; `kept`: rank 0's Hello.kept (the KV
-        its cache held when the scheduler restarted)."""
-        shards = [FakeWorker(f"{group}-r{r}") for r in range(tp)]
+             kept: list[P.KeptSeq] | None = None, pp: int = 1) -> list[FakeWorker]:
+        """A group of `tp` x `pp` shards (group rank order) joins and is probed ready; `kept`:
+        rank 0's Hello.kept (the KV its cache held when the scheduler restarted)."""
+        shards = [FakeWorker(f"{group}-r{r}") for r in range(tp * pp)]
         for r, w in enumerate(shards):
-            h = P.Hello(role="worker", worker_id=w.worker_id, group=group, tp_rank=r, tp_size=tp, model=MODEL,
+            h = P.Hello(role="worker", worker_id=w.worker_id, group=group, tp_rank=r % tp, tp_size=tp, model=MODEL,
+                        pp_rank=r // tp, pp_size=pp,
                         num_kv_blocks=blocks, block_size=16, max_model_len=2048,
                         dist_init_addr="tcp://rank0:29500" if r == 0 else None, max_loras=max_loras,
                         kept=(kept or []) if r == 0 else [])
@@ -201,10 +204,13 @@ class Net:
                 for w in shards:
                     self.send(c.on_heartbeat(w.ident, P.Heartbeat(worker_id=w.worker_id), self.now))
             if group not in self.hung and self.steps[group]:
-                todo, self.steps[group] = self.steps[group], []
+                k = self.answers_per_turn or len(self.steps[group])
+                todo, self.steps[group] = self.steps[group][:k], self.steps[group][k:]
+                g = c.groups.get(group)
+                answer = g.answer_rank if g is not None else 0  # the last stage's tp rank 0
                 for st in todo:
                     results = [w.run(st) for w in shards]  # every shard applies the step
-                    self.send(c.on_step_result(shards[0].ident, results[0], self.now))
+                    self.send(c.on_step_result(shards[answer].ident, results[answer], self.now))
         if detok and self.detok is not None:
             self.send(c.on_heartbeat(self.detok.ident, P.Heartbeat(worker_id=self.detok.worker_id), self.now))
             inbox, self.backend[self.detok.ident] = self.backend[self.detok.ident], []

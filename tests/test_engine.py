@@ -78,8 +78,8 @@ def spy_schedule(llm: LLM) -> list[dict[str, int]]:
     real = sched.schedule
     steps: list[dict[str, int]] = []
 
-    def schedule():
-        so = real()
+    def schedule(*a, **kw):
+        so = real(*a, **kw)
         steps.append(so.num_scheduled())
         return so
 

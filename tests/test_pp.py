@@ -45,25 +45,33 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def generate(model_dir: str, tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0, wire=None,
-             dtype: str = "auto") -> dict:
+             dtype: str = "auto", micro: int = 1, seeded: bool | None = None) -> dict:
     """Greedy tokens of every prompt from an LLMEngine whose runner is this shard (stage
     `pp_rank`, tp rank `tp_rank`; with pp > 1 the group's world must exist), all prompts in
-    flight at once, plus what the shard holds. `wire`: how stages talk (None: ZeroMQ on CPU)."""
+    flight at once, plus what the shard holds. `wire`: how stages talk (None: ZeroMQ on CPU).
+    `micro` > 1: the group keeps that many steps in flight, each over its own requests (the
+    pipeline's micro-batches; in one process they run one after the other). `seeded` (default:
+    with micro-batches): every prompt also runs seeded sampling beside the greedy run."""
     from zeroserve import SamplingParams
     from zeroserve.common.config import EngineArgs
     from zeroserve.services.engine import LLMEngine, stage_runner
 
     args = EngineArgs(model=model_dir, tp_size=tp, pp_size=pp, num_kv_blocks=48, max_num_batched_tokens=64, dtype=dtype)
     eng = LLMEngine(args, make_runner=stage_runner(tp_rank, tp, pp_rank, wire))
+    eng.group.max_in_flight = micro  # what the scheduler gives a group of `micro` stages
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = eng.model_cfg.vocab_size
     ids = [eng.add_request(p, params) for p in _prompts(vocab)]
+    seeded = [eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=5 + k,
+                                                ignore_eos=True)) for k, p in enumerate(_prompts(vocab))] \
+        if (micro > 1 if seeded is None else seeded) else []
     outs = {}
     while eng.has_unfinished():
         for o in eng.step():
             outs[o.request_id] = o.outputs[0].token_ids
     m = eng.runner.model
-    return {"tokens": [list(outs[i]) for i in ids], "layers": list(m.stage.layers),
+    return {"tokens": [list(outs[i]) for i in ids], "seeded": [list(outs[i]) for i in seeded],
+            "peak_in_flight": eng.group.peak_in_flight, "layers": list(m.stage.layers),
             "kv_layers": len(eng.runner.kv_caches), "embed": m.embed_tokens is not None,
             "head": m.lm_head is not None, "tied": m.cfg.tie_word_embeddings, "param_bytes": eng.runner.param_bytes(),
             "mode": eng.runner.numeric_mode}
@@ -79,7 +87,8 @@ def _stage_worker(rank: int, world: int, port: int, payload: dict, out_path: str
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        results = {name: generate(d, tp, pp, tp_rank, pp_rank, payload["wire"], payload.get("dtype", "auto"))
+        results = {name: generate(d, tp, pp, tp_rank, pp_rank, payload["wire"], payload.get("dtype", "auto"),
+                                  payload.get("micro", 1))
                    for name, d in payload["dirs"].items()}
         torch.save(results, out_path)
     finally:
@@ -146,6 +155,31 @@ def test_pp2_bf16_matches_pp1(tmp_path):
                             tmp_path, lambda: {"llama": generate(dirs["llama"], dtype="bfloat16")}, timeout=600)
     assert ref["llama"]["mode"].startswith("bfloat16/")
     _check(["llama"], dirs, ref, shards, 1, 2)
+
+
+def test_pp2_micro_batches_match_pp1(tmp_path):
+    """Two steps in flight per group, each over its own requests (the pipeline's micro-batches,
+    services/scheduler/policy.py): greedy and seeded tokens equal pp=1's with one step over all
+    of them (each row's arithmetic is the same whatever else is in its batch)."""
+    names = ("llama", "mixtral")
+    dirs = _dirs(tmp_path, names)
+
+    def pp1():
+        return {n: {"one": generate(d, seeded=True), "split": generate(d, micro=2)} for n, d in dirs.items()}
+
+    ref, shards = run_ranks(__file__, 2, {"dirs": dirs, "tp": 1, "pp": 2, "wire": None, "micro": 2}, tmp_path,
+                            pp1, timeout=600)
+    for name in names:
+        one, split = ref[name]["one"], ref[name]["split"]
+        assert split["peak_in_flight"] == 2 and one["peak_in_flight"] == 1
+        assert split["tokens"] == one["tokens"], f"{name}: micro-batched pp=1 differs from one step"
+        for rank, got in enumerate(shards):
+            g = got[name]
+            assert g["peak_in_flight"] == 2, f"{name}: rank {rank} never had two steps in flight"
+            assert g["tokens"] == one["tokens"], f"{name}: rank {rank} (pp=2, two in flight) differs from pp=1"
+            assert g["seeded"] == split["seeded"], f"{name}: rank {rank}'s seeded tokens differ from pp=1's"
+        assert split["seeded"] == one["seeded"], f"{name}: seeded tokens depend on the micro-batches"
+        assert all(len(t) == MAX_TOKENS for t in one["seeded"])
 
 
 def test_stage_layers_split():

@@ -7,14 +7,16 @@ One module-scoped cluster (scheduler, detokenizer, groups g0 and g1 of two stage
    stages, their hosts and their layers' weights (each stage about half of the model);
 2. greedy tokens equal Hugging Face fp32's, one at a time and concurrently; embeddings (pooled
    on the last stage) equal HF's pooled hidden states, beside a generation;
-3. a stage SIGKILLed while 64 greedy requests stream (the first stage of g0: the answering
-   last stage survives, blocked on a peer that is gone) takes its group out, and every request
-   finishes on g1 with the reference tokens and text, no stream repeating or skipping a token
-   (tests/test_failover.py's harness and workload);
+3. a stage SIGKILLed while 64 greedy requests stream, once its group has two steps in flight
+   (the first stage of g0: the answering last stage survives, blocked on a peer that is gone)
+   takes its group out, and every request of both steps finishes on g1 with the reference
+   tokens and text, no stream repeating or skipping a token (tests/test_failover.py's harness
+   and workload);
 4. a stage of a new group g2 stopped (SIGSTOP) mid-run: the same, once its heartbeats are missed.
 
 Then, each in a cluster of its own: an MoE family (mixtral) at pp=2, and tp=2 x pp=2 (four
-shards in one group), both equal to HF's greedy tokens.
+shards in one group), both equal to HF's greedy tokens; three stages with three steps in flight,
+equal to pp=1's tokens.
 """
 
 from __future__ import annotations
@@ -104,6 +106,23 @@ def test_pp2_greedy_matches_hf(cluster, concurrent):
     got = _generate_all(cluster, concurrent)
     for i, (toks, p) in enumerate(zip(got, _prompts())):
         assert toks == hf_greedy("llama", p, MAX_TOKENS), f"prompt {i} (len {PROMPT_LENS[i]}): pp=2 != HF"
+    if concurrent:  # two requests per group: two micro-batches, two steps in flight (stage 0 ahead)
+        peaks = [_group(cluster, g)["peak_steps_in_flight"] for g in ("g0", "g1")]
+        assert max(peaks) == 2, peaks
+
+
+def test_pp2_seeded_matches_pp1(cluster, model_dir):
+    """Seeded sampling, eight requests at once (two micro-batches per group, two steps in
+    flight): the tokens equal the in-process pp=1 engine's for the same seeds."""
+    from zeroserve import LLM, SamplingParams
+
+    prompts = _prompts() * 2
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=31 + k, ignore_eos=True)
+              for k in range(len(prompts))]
+    with cluster.client(timeout_s=90.0) as c, ThreadPoolExecutor(len(prompts)) as ex:
+        got = [list(o.outputs[0].token_ids) for o in ex.map(c.generate, prompts, params)]
+    want = [list(o.outputs[0].token_ids) for o in LLM(str(model_dir), num_kv_blocks=256).generate(prompts, params)]
+    assert got == want
 
 
 def test_pp2_embeddings_match_hf(cluster):
@@ -131,10 +150,24 @@ def test_pp2_embeddings_match_hf(cluster):
     assert list(gen.outputs[0].token_ids) == hf_greedy("llama", _prompts()[1], MAX_TOKENS)
 
 
+def _kill_with_two_in_flight(cluster: LocalCluster, group: str, worker: str, seen: list) -> None:
+    """SIGKILL `worker` once its group has two steps in flight (a pipeline of two stages keeps
+    two in flight while it has work: services/scheduler/groups.py); `seen`: what stats said."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        g = _group(cluster, group) or {}
+        seen.append(g.get("steps_in_flight"))
+        if seen[-1] == 2:
+            break
+    cluster.kill(worker, signal.SIGKILL)
+
+
 def test_stage_sigkill_midrun(cluster, workload):
+    seen: list = []
     run = Run(cluster, workload, threshold=N_REQUESTS * 3,
-              action=lambda: cluster.kill("g0-s0-r0", signal.SIGKILL), timeout_s=120.0).run()
+              action=lambda: _kill_with_two_in_flight(cluster, "g0", "g0-s0-r0", seen), timeout_s=120.0).run()
     assert run.fired_at is not None and run.fired_at < run.total, "the kill should land mid-run"
+    assert seen and seen[-1] == 2, f"g0 never had two steps in flight before the kill: {seen}"
     run.check()
     _wait(lambda: _group(cluster, "g0") is None, 30, "g0 to leave", cluster)
     g1 = _group(cluster, "g1")
@@ -172,6 +205,23 @@ def test_more_shapes_match_hf(arch, tp):
         got = _generate_all(c, concurrent=True)
     for i, (toks, p) in enumerate(zip(got, _prompts())):
         assert toks == hf_greedy(arch, p, MAX_TOKENS), f"{arch} tp={tp} pp=2, prompt {i}: != HF"
+
+
+def test_pp3_three_steps_in_flight_match_pp1():
+    """Three stages (a middle one that both receives hidden states and is owed tokens), three
+    steps in flight over eight concurrent requests: greedy tokens equal the in-process pp=1
+    engine's on the same three-layer model."""
+    from zeroserve import LLM
+
+    d = cached_model_dir("llama", num_hidden_layers=3)
+    prompts = _prompts() * 2
+    with LocalCluster(d, workers=1, pp=3, num_kv_blocks=128).running(groups=1, timeout=240) as c:
+        with c.client(timeout_s=90.0) as cl, ThreadPoolExecutor(len(prompts)) as ex:
+            got = [list(o.outputs[0].token_ids) for o in ex.map(lambda p: cl.generate(p, _params()), prompts)]
+        g = _group(c, "g0")
+        assert sorted(w["stage"] for w in g["workers"]) == [0, 1, 2] and g["peak_steps_in_flight"] == 3, g
+    want = [list(o.outputs[0].token_ids) for o in LLM(str(d), num_kv_blocks=128).generate(prompts, _params())]
+    assert got == want
 
 
 @pytest.mark.timeout(600)

@@ -3,7 +3,9 @@
 JOINING (waiting for every shard's HELLO: tp_size x pp_size of them) -> PROBING (a PUB drops what a SUB that has not
 subscribed yet misses, so steps wait until every shard acknowledged a probe on its topic) ->
 READY -> DRAINING (finishes what it runs, takes nothing new) -> GONE. A group has its own
-policy (block manager and running set) and at most one step in flight. Methods take the time
+policy (block manager and running set) and one step in flight, or, with several pipeline stages,
+up to one per stage, each over requests no other in-flight step holds (`Group.max_in_flight`:
+stage 0 computes step n+1 while stage 1 computes step n). Methods take the time
 `now` and put what must be sent into an `Outbox`; those that end groups return the requests
 the groups held, for the cluster to route again.
 """
@@ -25,7 +27,7 @@ from zeroserve.services.scheduler.block_manager import BlockManager
 from zeroserve.services.scheduler.outbox import Outbox
 from zeroserve.services.scheduler.policy import Scheduler as Policy
 from zeroserve.services.scheduler.policy import TokenEvent
-from zeroserve.services.scheduler.speculative import check_spec_result
+from zeroserve.services.scheduler.step_check import BadStepResult, check_result
 from zeroserve.services.scheduler.request import Request
 
 if TYPE_CHECKING:
@@ -49,23 +51,6 @@ MAX_GIVEN_UP = 1024
 MAX_REFUSALS_SHOWN = 16  # the latest refusals `status` lists
 
 
-class BadStepResult(InvalidRequest):
-    """A StepResult that does not answer the step it claims to (its group is given up)."""
-
-
-def grammar_violation(step: P.Step, m: P.StepResult) -> str | None:
-    """A constrained request's sampled token whose bit is clear in the step's bitmask (the worker
-    ignored its grammar), before any state takes the token."""
-    if step.token_bitmask is None:
-        return None
-    pos = {rid: k for k, rid in enumerate(m.req_ids)}
-    for row, rid in enumerate(step.bitmask_req_ids):
-        t = int(m.sampled_token_ids[pos[rid]]) if rid in pos else -1
-        if t >= 0 and not (int(step.token_bitmask[row, t >> 5]) >> (t & 31)) & 1:
-            return f"samples token {t} for request {rid!r}, which its grammar does not allow"
-    return None
-
-
 class GroupState(enum.Enum):
     JOINING = "joining"  # waiting for all TP shards to say HELLO
     PROBING = "probing"  # every shard connected; waiting for each SUB to see the topic
@@ -85,7 +70,7 @@ class Shard:
 
 
 class InFlight(NamedTuple):
-    """The one step a group is computing."""
+    """A step a group is computing."""
 
     seq: int
     step: P.Step
@@ -107,7 +92,11 @@ class Group:
     state: GroupState = GroupState.JOINING
     policy: Policy | None = None  # made when the group is READY (it needs every shard's capacity)
     seq: int = 0  # of the last step sent; restarts at each READY
-    in_flight: InFlight | None = None
+    # the steps sent and not yet answered, oldest first (a group answers in order); at most
+    # max_in_flight: pp_size (or --pp-steps-in-flight), set when READY; 1 for one stage
+    flights: deque[InFlight] = field(default_factory=deque)
+    max_in_flight: int = 1
+    peak_in_flight: int = 0  # the most steps it has had in flight at once (stats)
     probe_id: str = ""
     last_probe: float = 0.0
     dist_init_addr: str | None = None  # rank 0's torch.distributed address, for the other ranks
@@ -117,6 +106,11 @@ class Group:
 
     def load(self) -> int:
         return self.policy.num_unfinished if self.policy else 0
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The oldest step in flight (the one the next result answers), or None: idle."""
+        return self.flights[0] if self.flights else None
 
     @property
     def size(self) -> int:
@@ -340,6 +334,9 @@ class Groups:
         g.policy.max_loras_per_batch = min([self.cfg.loras_per_batch] + [s.hello.max_loras for s in g.shards.values()])
         g.state = GroupState.READY
         g.seq = 0
+        # pipelining: one step per stage in flight, each over its own requests (policy.py)
+        n = self.cfg.pp_steps_in_flight
+        g.max_in_flight = g.pp_size if n is None else max(1, min(n, g.pp_size))
         log.info("group ready", group=g.name, model=g.model, tp=g.tp_size, kv_blocks=blocks)
         kept, g.shards[0].hello.kept = g.shards[0].hello.kept, []  # read once: its memory goes
         if kept and g.tp_size == 1 and mc.kv_window is None and not g.policy.num_lookahead_tokens:
@@ -354,64 +351,23 @@ class Groups:
             g.drain_started = now
 
     def step_result(self, g: Group, m: P.StepResult) -> list[TokenEvent] | None:
-        """Accept the answer to the step in flight; None for a late answer to one we gave up on.
-        Raises BadStepResult for one that does not answer the step (the caller ends the group)."""
+        """Accept the answer to the oldest step in flight (a group answers its steps in order);
+        None for a late answer to one we gave up on. Raises BadStepResult for one that does not
+        answer the step (the caller ends the group)."""
         if g.in_flight is None or g.in_flight.seq != m.seq or g.policy is None:
             return None
         if self.shard_of[m.worker_id].rank != g.answer_rank:
             raise InvalidRequest(f"only rank {g.answer_rank} of group {g.name!r} (tp rank 0 of its last stage) "
                                  "answers steps")
         step = g.in_flight.step
-        reason = self._check_result(g, step, m)
+        reason = check_result(step, m, self.models[g.model].cfg, g.policy.requests)
         if reason:
             raise BadStepResult(f"the answer to step {m.seq} of group {g.name!r} {reason}")
-        g.in_flight = None
+        g.flights.popleft()
         events = g.policy.update(step, m)
         g.steps += 1
         g.tokens += step.total_tokens
         return events
-
-    def _check_result(self, g: Group, step: P.Step, m: P.StepResult) -> str | None:
-        """What is wrong with a result for `step` (None: nothing): the step's requests in its
-        order, a token id in [0, vocab) exactly where a sample was due (-1 elsewhere), logprob
-        ids in the vocabulary (num_tokens and step_time_s are only reported, not used)."""
-        ids = step.req_ids()
-        if m.req_ids != ids:
-            return f"names requests {m.req_ids[:4]}... instead of the step's {ids[:4]}... (in that order)"
-        vocab = self.models[g.model].cfg.vocab_size
-        tok = m.sampled_token_ids
-        if tok.size and (int(tok.min()) < -1 or int(tok.max()) >= vocab):
-            return f"samples token ids outside [0, {vocab}) (or -1 for no sample)"
-        if m.logprob_token_ids is not None and m.logprob_token_ids.size and (
-                int(m.logprob_token_ids.min()) < 0 or int(m.logprob_token_ids.max()) >= vocab):
-            return f"has logprob token ids outside [0, {vocab})"
-        # a sample is due where the request's tokens are all computed after this step
-        c = step.cached
-        ends = [(rid, done + n) for rid, done, n in zip(c.req_ids, c.num_computed_tokens.tolist(),
-                                                         c.num_scheduled_tokens.tolist())]
-        reqs = g.policy.requests
-        due = []
-        for rid, end in ends:
-            r = reqs.get(rid)
-            due.append(None if r is None else end == r.num_tokens)  # None: ended meanwhile, either way
-        due += [n.num_computed_tokens + n.num_scheduled_tokens == n.token_ids.shape[0] for n in step.new_reqs]
-        # an embedding request is due its vector where others are due a sample, and never samples
-        embeds = set(m.embed_req_ids)
-        for rid, d, t in zip(ids, due, tok.tolist()):
-            r = reqs.get(rid)
-            if r is not None and r.pooling is not None:
-                if t >= 0 or (d is not None and d != (rid in embeds)):
-                    return f"has no embedding or a sample for embedding request {rid!r} (due one: {d})"
-                embeds.discard(rid)
-            elif d is not None and d != (t >= 0):
-                return (f"has {'no sample' if d else f'a sample ({t})'} for request {rid!r}, which "
-                        f"{'was due one' if d else 'was not due one'}")
-        if embeds - {rid for rid, d in zip(ids, due) if d is None}:
-            return f"has embeddings for requests that are no embedding requests of the step: {sorted(embeds)[:4]}"
-        hidden = self.models[g.model].cfg.hidden_size
-        if m.embeddings is not None and m.embeddings.shape[1] != hidden:
-            return f"has embeddings of width {m.embeddings.shape[1]}; the model's hidden size is {hidden}"
-        return check_spec_result(step.lookahead(), m, vocab) or grammar_violation(step, m)
 
     def gone(self, g: Group, reason: str, ob: Outbox) -> list[Request]:
         """A group died or left; returns its unfinished requests, which keep their tokens."""
@@ -425,7 +381,7 @@ class Groups:
         g.state = GroupState.GONE
         reqs = g.policy.drain_all() if g.policy is not None else []
         g.policy = None  # its block tables: a gone group stays listed a while, its memory must not
-        g.in_flight = None
+        g.flights.clear()  # every step in flight: their requests are in `reqs`, once each
         if reason != "drained":  # a failure: count it against each request it hit
             for key in {r.client_id for r in reqs}:
                 self.failovers[key] = self.failovers.get(key, 0) + 1
@@ -443,18 +399,19 @@ class Groups:
 
     # ================================================================ steps
     def dispatch(self, g: Group, now: float, ob: Outbox) -> None:
-        """Send the group its next step, if it has none in flight and work to do."""
-        if g.in_flight is not None or g.policy is None or g.state not in (GroupState.READY, GroupState.DRAINING):
-            return
-        if not g.policy.needs_step():
-            return
-        step = g.policy.schedule()
-        if step.empty and not step.finished_req_ids:
-            return
-        g.seq += 1
-        step.seq, step.group = g.seq, g.name
-        ob.publish(g.name, step)
-        g.in_flight = InFlight(g.seq, step, now)
+        """Send the group its next steps while it has room in flight and work to do. With room for
+        k more, a step takes about 1/k of the requests it could run (policy.schedule(parts=k)):
+        a pipeline's micro-batches stay even instead of the first taking everyone."""
+        while len(g.flights) < g.max_in_flight and g.policy is not None and \
+                g.state in (GroupState.READY, GroupState.DRAINING) and g.policy.needs_step():
+            step = g.policy.schedule(parts=g.max_in_flight - len(g.flights))
+            if step.empty and not step.finished_req_ids:  # every runnable request is in flight
+                return
+            g.seq += 1
+            step.seq, step.group = g.seq, g.name
+            ob.publish(g.name, step)
+            g.flights.append(InFlight(g.seq, step, now))
+            g.peak_in_flight = max(g.peak_in_flight, len(g.flights))
 
     def dispatch_all(self, now: float, ob: Outbox) -> None:
         for g in self.groups.values():
@@ -484,7 +441,7 @@ class Groups:
             elif g.state == GroupState.DRAINING:
                 overdue = now - g.drain_started > cfg.drain_timeout_s
                 idle = g.policy is None or not g.policy.has_work()
-                if overdue or (idle and g.in_flight is None):
+                if overdue or (idle and not g.flights):
                     for s in g.shards.values():
                         ob.to_backend(s.identity, P.Welcome(status="drained", group=g.name,
                                                             scheduler_id=self.scheduler_id))
@@ -508,7 +465,8 @@ class Groups:
             out.append({
                 "name": g.name, "model": g.model, "state": g.state.value, "tp_size": g.tp_size, "pp_size": g.pp_size,
                 "numeric_mode": next(iter(g.shards.values())).hello.numeric_mode if g.shards else "",
-                "steps": g.steps, "tokens": g.tokens, **ps,
+                "steps": g.steps, "tokens": g.tokens, "steps_in_flight": len(g.flights),
+                "peak_steps_in_flight": g.peak_in_flight, **ps,
                 "workers": [{
                     "worker_id": s.hello.worker_id, "rank": r, "tp_rank": s.hello.tp_rank, "stage": s.hello.pp_rank,
                     "pid": s.hello.pid, "host": s.hello.host,

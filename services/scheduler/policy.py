@@ -13,6 +13,14 @@ in-process engine and inside the cluster scheduler.
 Blocks are registered in the prefix cache when they are scheduled, so a request admitted
 later in the same step may already reuse them: this is safe because the model writes every
 token's K/V of a layer before that layer attends.
+
+Pipelining (a group of several stages, services/scheduler/groups.py): several steps may be in
+flight, each over requests no other in-flight step holds (`in_flight`): a request waits for its
+step's result before it is scheduled again, and is never preempted while its step runs (its
+blocks are in use). Blocks given back meanwhile (a finish, a preemption) may go to a request in
+the next step: every stage computes its steps in order, so the earlier step is done with them
+on each stage before the later one writes them. `schedule(parts=k)` takes about 1/k of the
+requests it could run, so the group's k free pipeline slots get even micro-batches.
 """
 
 from __future__ import annotations
@@ -109,6 +117,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._dropped: list[str] = []  # worker-side state to drop at the next step
+        self.in_flight: set[str] = set()  # requests of the steps sent and not yet answered
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens actually run through the model
         # LoRA: different adapters the running requests may use at once (0 = no limit); at most
@@ -140,21 +149,26 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> Step:
-        """The next step (seq 0, no group: the caller numbers and addresses it)."""
+    def schedule(self, parts: int = 1) -> Step:
+        """The next step (seq 0, no group: the caller numbers and addresses it), over requests
+        in no step in flight; with `parts` > 1 about 1/parts of those it could run."""
         out = _StepBuilder(self._dropped, self.vocab_size)
         self._dropped = []
         budget = self.max_num_batched_tokens
         prefill = self.max_num_prefill_tokens  # of which prompt tokens (more than one a request)
         preempted = False
+        seats = self._share(parts)  # requests this step may take (None: no cap)
 
         if self.kv_window is not None:
             self._release_outside_window()
 
         # 1. running requests: decodes and continuing prefills
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and seats != 0:
             req = self.running[i]
+            if req.req_id in self.in_flight:  # its step has not come back: not again until it has
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new > 1:  # a continuing prefill (a decode is one token)
                 num_new = min(num_new, prefill)
@@ -162,7 +176,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.bm.can_allocate(req, num_new):
-                victim = self.running.pop()  # the latest admitted gives way
+                victim = self._victim(i)  # the latest admitted not in flight gives way (req at worst)
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
@@ -179,12 +193,15 @@ class Scheduler:
             budget -= num_new + la
             if num_new > 1:
                 prefill -= num_new
+            if seats is not None:
+                seats -= 1
             i += 1
 
         # 2. waiting requests, in order, while budget, seats and blocks last
         if not preempted:
             j = 0
-            while j < len(self.waiting) and min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs:
+            while j < len(self.waiting) and min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs \
+                    and seats != 0:
                 req = self.waiting[j]
                 if not self._lora_fits(req):
                     j += 1  # its adapter would be one too many in the batch: later, when one frees
@@ -220,7 +237,27 @@ class Scheduler:
                 out.scheduled(req)
                 budget -= num_new
                 prefill -= num_new
-        return out.build()
+                if seats is not None:
+                    seats -= 1
+        step = out.build()
+        self.in_flight.update(step.req_ids())
+        return step
+
+    def _share(self, parts: int) -> int | None:
+        """Requests a step may take when `parts` steps share what could run now (None: all)."""
+        if parts <= 1:
+            return None
+        free = sum(1 for r in self.running if r.req_id not in self.in_flight)
+        n = free + min(len(self.waiting), max(0, self.max_num_seqs - len(self.running)))
+        return max(1, -(-n // parts))
+
+    def _victim(self, i: int) -> Request:
+        """Take out of `running` the latest admitted request at index >= i that is in no step in
+        flight (running[i], the one being scheduled, is not: it is the last resort)."""
+        for k in range(len(self.running) - 1, i - 1, -1):
+            if self.running[k].req_id not in self.in_flight:
+                return self.running.pop(k)
+        raise AssertionError("the request being scheduled is in a step in flight")
 
     def _lora_fits(self, req: Request) -> bool:
         lora = req.params.lora
@@ -240,12 +277,12 @@ class Scheduler:
     def _release_outside_window(self) -> None:
         """Blocks before every layer's window go back to the pool. The next query of a running
         request is at position num_computed_tokens and reads keys > that - kv_window (HF's
-        convention), so a block ending at or before that bound is never read again (the previous
-        step is done: one step per group is in flight). Siblings of n > 1 share prompt blocks
-        and keep theirs."""
+        convention), so a block ending at or before that bound is never read again once the
+        request's previous step is done (one in flight keeps its blocks until it returns).
+        Siblings of n > 1 share prompt blocks and keep theirs."""
         bs, w = self.bm.block_size, self.kv_window
         for req in self.running:
-            if req.siblings is None:
+            if req.siblings is None and req.req_id not in self.in_flight:
                 self.bm.release_leading(req, max(0, (req.num_computed_tokens - w + 1) // bs))
 
     def _commit(self, req: Request, num_new: int) -> None:
@@ -282,6 +319,7 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def update(self, step: Step, result: StepResult) -> list[TokenEvent]:
         """Accept the worker's sampled tokens for `step` (-1 = no sample for that request this step)."""
+        self.returned(step)
         events: list[TokenEvent] = []
         logprobs = None
         if result.logprobs is not None:
@@ -313,6 +351,10 @@ class Scheduler:
             events.append(TokenEvent(req, -1, None, True, embedding=vec))
             self._finish(req)  # no KV kept after the prefill: its blocks go back now
         return events
+
+    def returned(self, step: Step) -> None:
+        """`step` is no longer in flight (answered, or given up): its requests may run again."""
+        self.in_flight.difference_update(step.req_ids())
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         p = req.params
@@ -349,6 +391,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.bm.release(req)
         req.status = Status.FINISHED
+        self.in_flight.discard(req.req_id)
         del self.requests[req.req_id]
 
     def drain_all(self) -> list[Request]:
@@ -365,6 +408,7 @@ class Scheduler:
         self.waiting.clear()
         self.requests.clear()
         self._dropped = []
+        self.in_flight.clear()
         self.bm.reset()
         return reqs
 

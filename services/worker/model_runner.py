@@ -212,6 +212,8 @@ class ModelRunner:
         last (services/worker/pipeline.py) passes its layers' output on in _forward and, instead
         of pooling and sampling, takes the last stage's tokens (_follow)."""
         t0 = time.perf_counter()
+        if self.link is not None and self.link.owed:  # a pipelined stage: tokens owed to requests it names
+            self.link.settle([*step.cached.req_ids, *(n.req_id for n in step.new_reqs), *step.finished_req_ids])
         self.apply_state(step)
         req_ids = step.req_ids()
         if not req_ids:
@@ -362,14 +364,15 @@ class ModelRunner:
 
     def _follow(self, b: _Batch, out: StepResult) -> None:
         """A pipeline stage before the last: the tokens the last stage sampled (embedding
-        requests pool there and sample none), appended to this stage's copy of each request."""
+        requests pool there and sample none), appended to this stage's copy of each request, now
+        or, pipelined, once they arrive (StageLink.follow); its result carries none (the last
+        stage's answers)."""
         b.sample_rows = rows = self.pooler.sampling_rows(out.req_ids, b.sample_rows)
         if not len(rows):
             return
-        toks = self.link.recv_tokens(len(rows))
-        for i, t in zip(rows.tolist(), toks.tolist()):
-            b.states[i].token_ids.append(t)
-        out.sampled_token_ids[rows] = toks
+        self.link.follow(out.req_ids, [b.states[i] for i in rows.tolist()])
+        if not self.link.pipelined:  # taken now: the in-process engine reads them as its result
+            out.sampled_token_ids[rows] = [b.states[i].token_ids[-1] for i in rows.tolist()]
 
     def _advance(self, b: _Batch, out: StepResult, t0: float) -> None:
         """Count the step's tokens as computed (the verify has taken rejected drafts off) and

@@ -22,6 +22,16 @@ scheduler (`answering_rank`). The sampled tokens go back from the last stage to 
 one (same tp rank), which appends them to its own copy of each sequence: the first stage
 needs them as the next step's input, every stage to know which rows sample.
 
+Several steps in flight (the scheduler sends up to pp_size, each over requests no other
+in-flight step holds: services/scheduler/policy.py): a stage before the last does not wait for
+step n's tokens before it takes step n+1 (`StageLink.pipelined`); it notes which requests they
+belong to and appends them when they arrive, at the latest before a step that names one of
+those requests (`settle`). So stage 0 computes step n+1 while stage 1 computes step n. Only
+over the ZeroMQ wire: its sends are queued, so stage 1's token send and stage 0's next hidden
+send never wait on each other; over torch.distributed each blocking send/recv pair between the
+same two ranks would need its peer's matching call in the same order (there a stage still waits
+for the tokens, and the scheduler's second step only overlaps its own work).
+
 The transfer (services/worker/stage_wire.py) is a ZeroMQ PUSH/PULL pair per direction on CPU
 and torch.distributed send/recv (NCCL: tensors stay on the device) on GPU; measured in
 benchmarks/pp_transport.py, docs/architecture.md says why.
@@ -30,6 +40,7 @@ benchmarks/pp_transport.py, docs/architecture.md says why.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,8 +93,8 @@ class StageLink:
     group's torch.distributed world exists (`group_rank` numbering)."""
 
     def __init__(self, stage: StageInfo, tp_rank: int, tp_size: int, device, host: str = "127.0.0.1",
-                 wire: str | None = None) -> None:
-        from zeroserve.services.worker.stage_wire import make_wire
+                 wire: str | None = None, pipelined: bool = False) -> None:
+        from zeroserve.services.worker.stage_wire import ZmqWire, make_wire
 
         self.stage = stage
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -96,6 +107,12 @@ class StageLink:
         sends = self.earlier if stage.last else [self.next]
         recvs = [r for r in (self.prev, None if stage.last else self.last) if r is not None]
         self.wire = make_wire(wire, self.device, host, sends, recvs)
+        # an earlier stage takes its next step before this one's tokens are back (module doc);
+        # off in the in-process engine (tests, benchmarks), which needs the tokens as its result
+        self.pipelined = pipelined and not stage.last and isinstance(self.wire, ZmqWire)
+        # steps whose tokens are still to come, oldest first: (their requests, the sampling
+        # rows' states, in the order the last stage sends their tokens)
+        self.owed: deque[tuple[frozenset[str], list]] = deque()
         self.sent_bytes = 0
         # seconds spent in recv: a stage waiting for its peers (benchmarks/pp_throughput.py reports it)
         self.wait_s = 0.0
@@ -130,6 +147,31 @@ class StageLink:
         t = self._recv(torch.empty(n, dtype=torch.int32, device=self.device), self.last)
         return t.cpu().numpy()
 
+    def follow(self, req_ids: list[str], states: list) -> None:
+        """An earlier stage: append the tokens the last stage sampled for this step's sampling
+        rows (`states`, in row order) to their requests, now or, pipelined, when they arrive."""
+        self.owed.append((frozenset(req_ids), states))
+        if not self.pipelined:
+            self._take_one()
+
+    def settle(self, req_ids) -> None:
+        """Before a step: take every owed step's tokens up to the last one that holds a request
+        the step names (in order: the tokens come in step order), so its state is complete."""
+        ids = set(req_ids)
+        upto = max((k for k, (held, _) in enumerate(self.owed) if not held.isdisjoint(ids)), default=-1)
+        for _ in range(upto + 1):
+            self._take_one()
+
+    def settle_ready(self) -> None:
+        """Between steps: take the tokens that have arrived (never waits)."""
+        while self.owed and self.wire.ready(self.last):
+            self._take_one()
+
+    def _take_one(self) -> None:
+        _, states = self.owed.popleft()
+        for st, t in zip(states, self.recv_tokens(len(states)).tolist()):
+            st.token_ids.append(t)
+
 
 def stage_tp_groups(tp_size: int, pp_size: int, pp_rank: int):
     """Every stage's tensor-parallel process group, made by every rank in the same order (as
@@ -159,12 +201,14 @@ def bind_tp_group(model, pg) -> None:
             m.tp = new
 
 
-def connect(runner, tp_rank: int, tp_size: int, host: str = "127.0.0.1", wire: str | None = None) -> None:
+def connect(runner, tp_rank: int, tp_size: int, host: str = "127.0.0.1", wire: str | None = None,
+            pipelined: bool = False) -> None:
     """Once the group's world exists: this stage's tensor-parallel group into the model, and the
     links to the other stages into the runner (`host`: the address this shard's links listen on,
-    its advertised one; `wire`: services/worker/stage_wire.py, None = by device)."""
+    its advertised one; `wire`: services/worker/stage_wire.py, None = by device; `pipelined`: a
+    worker process, whose scheduler may send several steps at once: StageLink.pipelined)."""
     model = runner.model
     pg = stage_tp_groups(tp_size, model.stage.size, model.stage.rank)
     if pg is not None:
         bind_tp_group(model, pg)
-    runner.link = StageLink(model.stage, tp_rank, tp_size, runner.device, host, wire)
+    runner.link = StageLink(model.stage, tp_rank, tp_size, runner.device, host, wire, pipelined)

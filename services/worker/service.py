@@ -4,9 +4,11 @@ Start-up: load the model and size the KV cache, say HELLO (model, device, capaci
 WELCOME with the step PUB address (and, for tensor parallelism, rank 0's torch.distributed
 address), subscribe to the group's topic and acknowledge the scheduler's probe. Then every
 `Step` on the topic is applied to the runner's per-request state and computed; one shard answers
-with the sampled tokens: tp rank 0 of the last pipeline stage (`answers`; with one stage, shard 0). Joining, heartbeats (from a thread with its own socket, so a long step
-never looks like death) and noticing a restarted scheduler are `zeroserve.services.backend_peer`'s; on a
-rejoin the shard drops its state and joins again (a tensor- or pipeline-parallel shard exits
+with the sampled tokens: tp rank 0 of the last pipeline stage (`answers`; with one stage, shard 0).
+A stage before the last takes its next step without waiting for the last stage's tokens
+(services/worker/pipeline.py: several steps in flight). Joining, heartbeats (from a thread
+with its own socket, so a long step never looks like death) and noticing a restarted scheduler
+are `zeroserve.services.backend_peer`'s; on a rejoin the shard drops its state and joins again (a tensor- or pipeline-parallel shard exits
 EXIT_RESYNC: its group's collectives are gone); after a scheduler restart a one-shard worker's
 HELLO lists the sequences whose KV its cache still holds (services/worker/kept.py), for the new
 scheduler to reuse. SIGTERM drains: the group takes no new work, finishes what
@@ -141,7 +143,7 @@ class WorkerService:
         dist.init_process_group(backend, init_method=addr, rank=self.rank, world_size=self.world,
                                 timeout=datetime.timedelta(seconds=120))
         if self.pp_size > 1:
-            pipeline.connect(self.runner, self.tp_rank, self.tp_size, host=link_host)
+            pipeline.connect(self.runner, self.tp_rank, self.tp_size, host=link_host, pipelined=True)
         self._dist_ready = True
 
     def _bind_collectives(self, rendezvous: str) -> str:
@@ -190,6 +192,8 @@ class WorkerService:
              "step_ms": round(1000 * sum(recent) / len(recent), 3) if recent else 0.0}
         if self.device.startswith("cuda"):
             s["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+        if r is not None and r.link is not None:  # a pipeline stage: seconds it waited for its peers
+            s["pp_wait_s"] = round(r.link.wait_s, 4)
         return s
 
     # ------------------------------------------------------------------ serving
@@ -271,6 +275,9 @@ class WorkerService:
                     self.dealer_ch.send(P.Drain(worker_id=self.worker_id))
                     drain_sent = True
                 events = dict(poller.poll(200))
+                link = getattr(self.runner, "link", None)  # a pipeline stage's links (None: one stage)
+                if link is not None and link.owed and sub not in events:  # idle: take tokens already back
+                    link.settle_ready()
                 if self.dealer in events and self._on_dealer(self._recv(self.dealer_ch)):
                     continue  # drained, or asked to rejoin: handled at the top
                 if sub not in events:

@@ -89,6 +89,12 @@ class ZmqWire:
             raise ValueError(f"pipeline peer rank {src} sent {len(frame)} bytes, this step expects {want}")
         np.copyto(buf.view(torch.uint8).numpy().reshape(-1), np.frombuffer(frame.buffer, np.uint8))
 
+    def ready(self, src: int) -> bool:
+        """Whether a message from `src` is waiting (a pipelined stage's owed tokens)."""
+        import zmq
+
+        return bool(self.pull[src].poll(0, zmq.POLLIN))
+
     def close(self) -> None:
         self._finalizer()
 
