@@ -209,11 +209,13 @@ class ModelArgs:
     """model"""
 
     model: str | None = knob(None, "HF model directory or .gguf file (default: the built-in tiny model)")
-    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16; on a CPU auto = float32 (exact) and bfloat16 = "
-                              "the bf16 matmul regime with the linears' weights held in bf16 (docs/models.md)")
+    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16; on a CPU float32 = exact against HF fp32, "
+                              "bfloat16 = the bf16 matmul regime with the linears' weights held in bf16, auto = "
+                              "bfloat16 where the CPU multiplies bf16 natively and the checkpoint is not fp32, "
+                              "else float32 (docs/models.md)")
     matmul_dtype: str = knob("auto", "CPU: every linear's arithmetic at any batch size; float32 (exact) or bfloat16 "
-                                     "(x and w rounded to bf16, fp32 sums, batch-invariant); auto = bfloat16 if "
-                                     "--dtype asks for it, else float32; never measured",
+                                     "(x and w rounded to bf16, fp32 sums, batch-invariant); auto = what --dtype "
+                                     "decides; never measured",
                              choices=("auto", "float32", "bfloat16"))
     quantization: str = knob("auto", "weight quantization: auto = keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K weights packed "
                                      "(other types dequantized; safetensors as floats); none = dequantize everything "

@@ -14,7 +14,11 @@ Four libraries, each loaded on its own first use, each with a reason when it cou
   ``step_lib()``;
 - csrc/lora.c, LoRA deltas of a mixed-adapter batch (kernels/lora.py): ``lora_lib()``.
 
-``ZEROSERVE_CPU_NATIVE=0`` turns all of them off.
+``ZEROSERVE_CPU_NATIVE=0`` turns all of them off. ``ZEROSERVE_CPU_ARCH`` (default ``native``)
+is the ``-march`` they are built for: ``ZEROSERVE_CPU_ARCH=x86-64-v3`` builds and runs the AVX2
+path (no AVX-512, no native bf16) on an AVX-512 machine, so one machine tests both paths
+(`.ci/run` runs the exactness tests that way too); `native_bf16()` then asks the compiler
+whether that target has bf16 instructions.
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ log = get_logger("zeroserve.kernels.cpu_native")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.c"
+
+
+def _march() -> str:
+    """The -march the kernels are built for: the CPU's own, or ZEROSERVE_CPU_ARCH's target."""
+    return "-march=" + (os.environ.get("ZEROSERVE_CPU_ARCH", "").strip() or "native")
+
+
 # -fassociative-math lets the dot products vectorize; no -ffinite-math-only (-FLT_MAX/exp of
 # large negatives must behave)
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
+CFLAGS = ["-O3", _march(), "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 QUANT_SOURCE = CSRC / "qmatmul.c"
 # no reassociation and no implicit FMA contraction: the summation order is the one written in
 # the source (thread- and batch-invariant) and decoded weights match the torch twin exactly
-QUANT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
+QUANT_CFLAGS = ["-O3", _march(), "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
                 "-ffp-contract=off"]
 OPS_SOURCE = CSRC / "cpu_ops.c"
 # the same reason (the twins' roundings, operation by operation); no trapping math lets SiLU's
@@ -105,8 +116,25 @@ def cpu_model() -> str:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU computes in bf16 itself (else torch emulates it through fp32)."""
-    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
+    """Whether this CPU computes in bf16 itself (else torch emulates it through fp32); under a
+    ZEROSERVE_CPU_ARCH target, whether that target has bf16 instructions (and the CPU too)."""
+    if not cpu_flags() & NATIVE_BF16_FLAGS:
+        return False
+    return _march() == "-march=native" or _target_has_bf16(_march())
+
+
+_TARGET_BF16: dict[str, bool] = {}
+
+
+def _target_has_bf16(march: str) -> bool:
+    """Whether the compiler's `march` target defines bf16 instructions (AVX512BF16, AMX-BF16 or
+    ARM's BF16): the kernels' own #if decides the path by the same macros."""
+    if march not in _TARGET_BF16:
+        cc = _find_cc()
+        out = "" if cc is None else subprocess.run([cc, march, "-dM", "-E", "-x", "c", "/dev/null"],
+                                                   capture_output=True, text=True, timeout=60).stdout
+        _TARGET_BF16[march] = any(m in out for m in ("__AVX512BF16__", "__AMX_BF16__", "__ARM_FEATURE_BF16"))
+    return _TARGET_BF16[march]
 
 
 def _build(cc: str, source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:

@@ -10,7 +10,12 @@ bits alone, inside a batch of 16 and after a preemption, greedy and seeded, in b
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +30,7 @@ from tests.hf_reference import model_dir
 from tests.test_quant_model import REAL, needs_real
 from zeroserve import LLM, SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 needs_kernels = pytest.mark.skipif(cpu_native.quant_lib() is None, reason="compiled kernels unavailable")
 
 
@@ -39,21 +45,48 @@ def _one_thread():
 # --------------------------------------------------------------------------- the decision
 @pytest.mark.parametrize("native", [True, False])
 def test_matmul_choice_is_a_rule_on_the_arguments(monkeypatch, native):
-    """The same answer with and without native bf16 (nothing is timed or read from the CPU)."""
-    monkeypatch.setattr(cpu_native, "native_bf16", lambda: native)
-    c = numerics.matmul_choice
-    assert c("auto", "auto")[0] == "float32" and "exact" in c("auto", "auto")[1]
-    assert c(None, "float32")[0] == "float32"
+    """A rule on the arguments, the kernel build's bf16 and the checkpoint's dtype: nothing is
+    timed (the CPU's flags are not read here either: `native` is the build's, passed in)."""
+    monkeypatch.setattr(cpu_native, "native_bf16", lambda: not native)  # never consulted
+
+    def c(m, d, ckpt="bfloat16"):
+        return numerics.matmul_choice(m, d, native_bf16=native, checkpoint_dtype=ckpt)
+
+    # auto: bf16 only where the build multiplies bf16 natively and the checkpoint is not fp32
+    for ckpt in ("bfloat16", "float16"):
+        assert c("auto", "auto", ckpt)[0] == ("bfloat16" if native else "float32")
+    assert c("auto", "auto", "float32")[0] == "float32" and "exact" in c("auto", "auto", "float32")[1]
+    assert c(None, "float32")[0] == "float32"  # --dtype float32 is float32 on every CPU
     for d in ("bfloat16", "bf16", torch.bfloat16):
-        assert c("auto", d)[0] == "bfloat16"
+        assert c("auto", d, "float32")[0] == "bfloat16"
     assert c("float32", "fp32")[0] == "float32" and c("bfloat16", "bf16")[0] == "bfloat16"
     for matmul, dtype in (("bfloat16", "float32"), ("float32", "bfloat16")):  # --dtype float32 means float32
         with pytest.raises(ModelLoadError, match="contradict"):
             c(matmul, dtype)
     assert c("bfloat16", "float16")[0] == "bfloat16"  # a GPU dtype: the CPU path never sees it
     assert c("bfloat16", "auto") == ("bfloat16", "--matmul-dtype bfloat16")
-    with pytest.raises(ModelLoadError, match="matmul_dtype"):
-        c("int8", "auto")
+    assert c("float32", "auto")[0] == "float32"
+
+
+@needs_kernels
+def test_auto_follows_the_build_and_the_checkpoint(tmp_path):
+    """End to end through the runner: an fp32 checkpoint computes fp32 under auto on every CPU;
+    the same weights declared bf16 compute in the bf16 regime exactly where this build has
+    VDPBF16PS; `--dtype float32` is fp32 there too."""
+    import json
+    import shutil
+
+    lib = cpu_native.quant_lib()
+    assert _llm("auto").engine.runner.numeric_mode.startswith("float32/")  # the tiny models are saved in fp32
+    bf16_dir = tmp_path / "bf16-checkpoint"
+    shutil.copytree(model_dir("llama"), bf16_dir)
+    cfg = json.loads((bf16_dir / "config.json").read_text())
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = "bfloat16"
+    (bf16_dir / "config.json").write_text(json.dumps(cfg))
+    runner = LLM(str(bf16_dir), num_kv_blocks=64).engine.runner
+    assert runner.numeric_mode.startswith("bfloat16/" if lib.bf16_native else "float32/"), runner.numeric_mode
+    assert LLM(str(bf16_dir), num_kv_blocks=64, dtype="float32").engine.runner.numeric_mode.startswith("float32/")
 
 
 def test_mode_names_tell_every_arithmetic_apart():
@@ -277,3 +310,25 @@ def test_smollm2_bf16_greedy_agreement_reported():
               for x, y in zip(out["float32"], out["bfloat16"])]
     print(f"SmolLM2 Q4_1 bf16 mode vs fp32: identical greedy prefix per prompt {prefix} of {N_TOKENS}")
     assert sum(prefix) >= len(PROMPTS) * N_TOKENS // 4
+
+
+@needs_kernels
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX2 target is x86's")
+def test_the_avx2_build_is_exact_and_batch_invariant_too():
+    """The other CPU path on this machine: ZEROSERVE_CPU_ARCH=x86-64-v3 builds the kernels for
+    AVX2 (no AVX-512, no native bf16: bf16 emulated through the fp32 kernel), as on a CPU
+    without AVX-512. There, the invariance tests above pass and fp32 equals HF under
+    preemption: a newer CPU is not what makes the arithmetic exact."""
+    env = dict(os.environ, ZEROSERVE_CPU_ARCH="x86-64-v3")
+    probe = ("from zeroserve.kernels import cpu_native as c; l = c.quant_lib(); "
+             "print(l.isa, l.bf16_native, c.native_bf16())")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["avx2", "False", "False"], out.stdout + out.stderr
+    tests = ["tests/test_bf16.py::test_alone_in_a_batch_of_16_and_preempted_give_the_same_bits",
+             "tests/test_bf16.py::test_the_thread_count_does_not_change_a_bit",
+             "tests/test_bf16.py::test_moe_alone_and_in_a_batch_of_16_give_the_same_bits",
+             "tests/test_engine.py::test_preemption_matches_hf"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

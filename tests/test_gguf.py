@@ -300,7 +300,7 @@ def real_llm():
     from zeroserve import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(str(REAL), num_kv_blocks=32)
+    llm = LLM(str(REAL), num_kv_blocks=32, dtype="float32")  # against HF fp32: auto is bf16 on native-bf16 CPUs
     print(f"\nLLM({REAL.name}) loaded in {time.perf_counter() - t0:.2f} s")
     return llm
 

@@ -53,8 +53,11 @@ native = pytest.mark.skipif(cpu_native.quant_lib() is None,
 
 
 def make_llm(model, quantization: str | None, **kw):
+    """fp32 unless asked: the comparisons here are against the fp32 (HF-exact) dequantized model,
+    and `auto` would compute a GGUF in bf16 on a CPU with native bf16."""
     from zeroserve import LLM
 
+    kw.setdefault("dtype", "float32")
     return LLM(str(model), quantization=quantization or "auto", **kw)
 
 

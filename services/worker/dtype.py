@@ -5,8 +5,10 @@ every start (a start-up timing once picked bf16 on a busy host and fp32 on a qui
 same request gave other tokens after a restart).
 
 - accelerator, "auto": the checkpoint's own dtype.
-- CPU, "auto": float32, whatever the checkpoint (exact: greedy output equals HF in fp32; the
-  project's correctness tests hold in it). bf16 is opt-in (--dtype / --matmul-dtype bfloat16).
+- CPU, "auto": float32 parameters and activations, whatever the checkpoint; whether the linears
+  then multiply in fp32 or in the bf16 regime is services/worker/numerics.py's rule (bf16 on a
+  CPU with native bf16 for a checkpoint that is not fp32; `--dtype float32` is exact against
+  HF's fp32 everywhere).
 - CPU, "bfloat16": activations, norms and attention still compute in float32; what bf16 means
   on a CPU is the bf16 matmul regime of the compiled kernels (x and w rounded to bf16, products
   summed in fp32, the same at every row count), applied by services/worker/numerics.py, with

@@ -3,19 +3,26 @@
 A request's tokens are a function of (model, numeric mode, prompt, sampling params, seed), so
 the mode is a choice from the arguments and the hardware, logged with the reason:
 
-- ``float32`` (the CPU default, `--dtype auto --matmul-dtype auto`): every linear runs on the
-  compiled kernel (kernels/csrc/qmatmul.c) in fp32 -- packed weights in their format, float
-  weights through its "f32" view of the parameter (torch's fp32 GEMM rounds row 0 of a 1-row
-  call differently from a 4-row one). Exact: greedy output equals HF's fp32.
-- ``bfloat16`` (`--dtype bfloat16` or `--matmul-dtype bfloat16`, opt-in): every linear in the
-  kernel's bf16 regime (x and w rounded to bf16, products summed in fp32, y fp32) at every row
-  count; activations, norms and attention stay fp32. With `--dtype bfloat16` the float linears'
-  weights are held in bf16 (half the bytes; the same bits: the regime rounds them anyway).
+- ``float32`` (`--dtype float32`, and `auto` where bf16 would not be native or the checkpoint
+  is fp32): every linear runs on the compiled kernel (kernels/csrc/qmatmul.c) in fp32 --
+  packed weights in their format, float weights through its "f32" view of the parameter
+  (torch's fp32 GEMM rounds row 0 of a 1-row call differently from a 4-row one). Exact: greedy
+  output equals HF's fp32.
+- ``bfloat16`` (`--dtype bfloat16` / `--matmul-dtype bfloat16`, and `auto` on a CPU that
+  multiplies bf16 natively when the checkpoint is not fp32): every linear in the kernel's bf16
+  regime (x and w rounded to bf16, products summed in fp32, y fp32) at every row count;
+  activations, norms and attention stay fp32. The float linears' weights are held in bf16
+  (half the bytes; the same bits: the regime rounds them anyway).
 
-Why auto is fp32 and not bf16 on CPUs with native bf16: bf16 is now batch-invariant, but it is
-not exact against HF's fp32 (greedy ties break differently), and the speed it gives depends on
-the step's shape; an "auto" that changes what is computed by hardware makes the same model give
-other tokens on another host. The user opts in, and the whole cluster follows (below).
+What `auto` picks on a CPU is a rule on two facts that do not change between starts: whether
+this kernel build multiplies bf16 natively (AVX-512 BF16's VDPBF16PS; the build is part of the
+mode's name) and the checkpoint's dtype (ModelConfig.torch_dtype: a bf16/f16 checkpoint or a
+quantized GGUF was not made to be computed in fp32; an fp32 one was). bf16 where both hold: the
+regime is batch-invariant like fp32 and ~1.75x its throughput on such a CPU (SmolLM2 Q4_1, 16
+concurrent: benchmarks/cpu_dtype.py, docs/benchmarks.md), which is also what vLLM's CPU default
+computes. It is not exact against HF's fp32 (greedy ties break differently): `--dtype float32`
+is, on every CPU. A host without native bf16 computes `auto` in fp32, so a cluster that mixes
+such hosts mixes modes, and the scheduler refuses the second (below); give `--dtype` there.
 
 In both modes a row's arithmetic is the same at any batch size, chunking or thread count (the
 kernel has one per-row reduction order; there is no row-count threshold between kernels). It
@@ -47,8 +54,10 @@ log = get_logger("worker.numerics")
 MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 
 
-def matmul_choice(matmul_dtype: str | None, dtype: str | torch.dtype) -> tuple[str, str]:
-    """("float32" | "bfloat16", why) for a CPU fp32 model: a rule on the arguments only."""
+def matmul_choice(matmul_dtype: str | None, dtype: str | torch.dtype, native_bf16: bool = False,
+                  checkpoint_dtype: str = "float32") -> tuple[str, str]:
+    """("float32" | "bfloat16", why) for a CPU fp32 model: a rule on the arguments, whether the
+    kernel build multiplies bf16 natively and the checkpoint's dtype (module docstring)."""
     name = str(matmul_dtype or "auto").strip().lower()
     if name not in MATMUL_DTYPES:
         raise ModelLoadError(f"unsupported matmul_dtype {name!r}; use one of {MATMUL_DTYPES}")
@@ -62,8 +71,15 @@ def matmul_choice(matmul_dtype: str | None, dtype: str | torch.dtype) -> tuple[s
         return name, f"--matmul-dtype {name}"
     if wants_bf16(dtype):
         return "bfloat16", "--dtype bfloat16 (on a CPU: the bf16 matmul regime, fp32 elsewhere)"
-    return "float32", ("auto on a CPU: float32, exact against HF fp32; bf16 is opt-in "
-                       "(--dtype bfloat16 or --matmul-dtype bfloat16)")
+    if asked is torch.float32:
+        return "float32", "--dtype float32: float32 in every matmul, exact against HF fp32"
+    if not native_bf16:
+        return "float32", ("auto on a CPU without native bf16: float32, exact against HF fp32 "
+                           "(--dtype bfloat16 for the emulated bf16 regime)")
+    if checkpoint_dtype == "float32":
+        return "float32", "auto with an fp32 checkpoint: float32, exact against HF fp32 (--dtype bfloat16 to opt in)"
+    return "bfloat16", (f"auto on a CPU with native bf16 and a {checkpoint_dtype} checkpoint: the bf16 regime "
+                        "(batch-invariant, ~1.75x fp32's throughput); --dtype float32 for HF fp32's exact tokens")
 
 
 def configure(runner) -> str:
@@ -81,9 +97,13 @@ def configure(runner) -> str:
         runner.numeric_mode = f"{name}/{runner.device.type}-torch"
         log.info("numeric mode", mode=runner.numeric_mode, why=f"--dtype {args.dtype} on {runner.device}")
         return name
-    matmul, why = matmul_choice(getattr(args, "matmul_dtype", "auto"), args.dtype)
     lib = cpu_native.quant_lib()
-    hold_bf16 = matmul == "bfloat16" and wants_bf16(args.dtype)
+    matmul, why = matmul_choice(getattr(args, "matmul_dtype", "auto"), args.dtype,
+                                native_bf16=lib is not None and lib.bf16_native,
+                                checkpoint_dtype=str(runner.cfg.torch_dtype).removeprefix("torch."))
+    # bf16 weights where the mode came from the dtype (asked or auto), not from --matmul-dtype alone
+    chosen_by_auto = str(getattr(args, "matmul_dtype", "auto") or "auto").lower() == "auto"
+    hold_bf16 = matmul == "bfloat16" and (wants_bf16(args.dtype) or chosen_by_auto)
     on_torch = apply(model, matmul == "bfloat16", hold_bf16=hold_bf16, kernels=lib is not None)
     runner.numeric_mode = mode_name(matmul, lib, runner.kv_dtype, getattr(args, "quantization", None), on_torch,
                                     attention=runner.backend)
