@@ -81,11 +81,48 @@ INLINE __m128 vsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* Whether block_bf16 decodes `fmt` in registers. */
+INLINE int reg_decoded(int fmt) { return fmt == F_Q4_1 || fmt == F_Q8_0 || fmt == F_Q4_0; }
+
+/* Block b of a Q4_1 / Q8_0 / Q4_0 row as 32 bf16 values in one register: the exact fp32 values
+ * (dequant_blocks's) rounded by VCVTNE2PS2BF16. The one decoding both the panels (panel_row)
+ * and the one-row dot products (run_bdot) use, so both feed VDPBF16PS the same bits. */
+INLINE __m512bh block_bf16(int fmt, const row_t *r, int b) {
+    __m512 lo, hi;
+    /* as the fp32 tile does (PF_AHEAD): a weight streamed from memory (the LM head) is
+     * bound by the bytes in flight; speed only, the values are the same */
+    __builtin_prefetch(r->w + (int64_t)block_bytes(fmt) * b + PF_AHEAD);
+    if (fmt == F_Q8_0) {
+        const uint8_t *p = r->w + 34 * (int64_t)b;
+        const __m512 d = _mm512_set1_ps(f16(p));
+        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))));
+        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))));
+    } else {
+        const __m512i low = _mm512_set1_epi32(15);
+        const int q41 = fmt == F_Q4_1;
+        const uint8_t *p = r->w + (q41 ? 20 : 18) * (int64_t)b;
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (q41 ? 4 : 2))));
+        const __m512 d = _mm512_set1_ps(f16(p));
+        const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+        const __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        if (q41) {  /* d * q + m, one rounding (d * q is exact), as dequant_blocks */
+            const __m512 m = _mm512_set1_ps(f16(p + 2));
+            lo = _mm512_fmadd_ps(d, ql, m);
+            hi = _mm512_fmadd_ps(d, qh, m);
+        } else {  /* d * (q - 8) */
+            const __m512 e = _mm512_set1_ps(-8.f);
+            lo = _mm512_mul_ps(d, _mm512_add_ps(ql, e));
+            hi = _mm512_mul_ps(d, _mm512_add_ps(qh, e));
+        }
+    }
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 /* Blocks [b0, b1) of one row as bf16 into dst: the GGUF formats of 32-element blocks decoded in
- * registers (the generic dequant_blocks keeps its codes in memory: measured 2x the GEMM's time at
- * 16 rows), plain f32 / bf16 rows straight from the weight (49152x576 f32 at 1 row, one EPYC core:
- * 23.0 -> 10.7 ms), the others through dequant_blocks. The same values as dequant_blocks,
- * then rounded. */
+ * registers (block_bf16; the generic dequant_blocks keeps its codes in memory: measured 2x the
+ * GEMM's time at 16 rows), plain f32 / bf16 rows straight from the weight (49152x576 f32 at 1
+ * row, one EPYC core: 23.0 -> 10.7 ms), the others through dequant_blocks. The same values as
+ * dequant_blocks, then rounded. */
 static void panel_row(const job_t *j, const row_t *r, int b0, int b1, float *tmp, bf16_t *dst) {
     const int fmt = j->fmt;
     if (fmt == F_F32) {  /* plain weights: rounded straight from the row (to_bf16's bits) */
@@ -96,40 +133,37 @@ static void panel_row(const job_t *j, const row_t *r, int b0, int b1, float *tmp
         memcpy(dst, r->w + 64 * (int64_t)b0, 64 * (size_t)(b1 - b0));
         return;
     }
-    if (fmt != F_Q4_1 && fmt != F_Q8_0 && fmt != F_Q4_0) {
+    if (!reg_decoded(fmt)) {
         dequant_blocks(fmt, r, b0, b1, tmp);
         to_bf16(tmp, dst, (b1 - b0) * block_elems(fmt));
         return;
     }
-    const __m512i low = _mm512_set1_epi32(15);
-    for (int b = b0; b < b1; b++, dst += 32) {
-        __m512 lo, hi;
-        /* as the fp32 tile does (PF_AHEAD): a weight streamed from memory (the LM head) is
-         * bound by the bytes in flight; speed only, the values are the same */
-        __builtin_prefetch(r->w + (int64_t)block_bytes(fmt) * b + PF_AHEAD);
-        if (fmt == F_Q8_0) {
-            const uint8_t *p = r->w + 34 * (int64_t)b;
-            const __m512 d = _mm512_set1_ps(f16(p));
-            lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))));
-            hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))));
-        } else {
-            const int q41 = fmt == F_Q4_1;
-            const uint8_t *p = r->w + (q41 ? 20 : 18) * (int64_t)b;
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (q41 ? 4 : 2))));
-            const __m512 d = _mm512_set1_ps(f16(p));
-            const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
-            const __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-            if (q41) {  /* d * q + m, one rounding (d * q is exact), as dequant_blocks */
-                const __m512 m = _mm512_set1_ps(f16(p + 2));
-                lo = _mm512_fmadd_ps(d, ql, m);
-                hi = _mm512_fmadd_ps(d, qh, m);
-            } else {  /* d * (q - 8) */
-                const __m512 e = _mm512_set1_ps(-8.f);
-                lo = _mm512_mul_ps(d, _mm512_add_ps(ql, e));
-                hi = _mm512_mul_ps(d, _mm512_add_ps(qh, e));
-            }
+    for (int b = b0; b < b1; b++, dst += 32) _mm512_storeu_si512((void *)dst, (__m512i)block_bf16(fmt, r, b));
+}
+
+/* One row of x (T = 1) against output rows [n0, n1) of a register-decoded format: per (row, n)
+ * exactly run_bgemm's operations -- one VDPBF16PS chain over k in order from zero, on the same
+ * bf16 values (block_bf16), its lanes summed by vsum4's per-vector tree -- without the panel:
+ * at one row the panel's store and reload, not the multiply-adds, were the time (SmolLM2's
+ * 3072x576 Q4_1: 0.31 ms against the fp32 tile's 0.11). Four weight rows interleave, so four
+ * independent chains hide the decode's and VDPBF16PS's latency (as the fp32 tile_rows). */
+static void run_bdot(const job_t *j, const bf16_t *xb, int n0, int n1) {
+    const int nb = j->K / 32;
+    for (int n = n0; n < n1; n += 4) {
+        const int nr = n1 - n < 4 ? n1 - n : 4;
+        row_t rs[4];
+        __m512 a[4];
+        for (int i = 0; i < 4; i++) {
+            rs[i] = job_row(j, n + (i < nr ? i : 0));  /* a short group repeats row n: computed, not stored */
+            a[i] = _mm512_setzero_ps();
         }
-        _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        for (int b = 0; b < nb; b++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + 32 * (int64_t)b));
+            for (int i = 0; i < 4; i++) a[i] = _mm512_dpbf16_ps(a[i], xv, block_bf16(j->fmt, &rs[i], b));
+        }
+        float o[4];
+        _mm_storeu_ps(o, vsum4(a[0], a[1], a[2], a[3]));
+        memcpy(j->y + n, o, sizeof(float) * nr);
     }
 }
 
@@ -220,7 +254,10 @@ static int run_bf16(const job_t *j, int id, int cnt) {
     bf16_t *xb = nx <= XB_STACK ? stack : malloc(sizeof(bf16_t) * nx);
     if (xb == NULL) return -2;
     for (int t = 0; t < j->T; t++) to_bf16(j->x + t * j->ldx, xb + (int64_t)t * j->K, j->K);
-    run_bgemm(j, xb, n0, n1);
+    if (j->T == 1 && reg_decoded(j->fmt))
+        run_bdot(j, xb, n0, n1);
+    else
+        run_bgemm(j, xb, n0, n1);
 #else
     float stack[XB_STACK];
     float *xb = nx <= XB_STACK ? stack : malloc(sizeof(float) * nx);

@@ -53,13 +53,18 @@ def test_bf16_kernel_matches_twin(fmt):
 
 
 @native
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int4"])
-def test_bf16_rows_threads_and_batch_invariance(fmt):
+@pytest.mark.parametrize("fmt,k", [("q4_1", 512), ("q8_0", 512), ("q4_0", 512), ("int4", 512), ("q4_1", 1536)])
+def test_bf16_rows_threads_and_batch_invariance(fmt, k):
+    """One row of x (the dot-product path for the register-decoded formats, no panel) and every
+    larger row count (the panel GEMM) give each row the same bits; K = 1536 carries the GEMM's
+    sums across its 1024-column panels."""
     lib = cpu_native.quant_lib()
-    qw = make_weight(fmt, 70, 512, seed=9)
-    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(6))
+    qw = make_weight(fmt, 70, k, seed=9)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6))
     full = qw.linear_bf16(x)
-    for rows in (slice(0, 1), slice(3, 11), slice(7, 40)):
+    for t in range(0, 40, 3):
+        assert torch.equal(qw.linear_bf16(x[t:t + 1]), full[t:t + 1]), t
+    for rows in (slice(3, 11), slice(7, 40)):
         assert torch.equal(qw.linear_bf16(x[rows]), full[rows]), rows
     for threads in (1, 2, 3):
         assert torch.equal(quant.kernel_linear(lib, qw, x, threads=threads, bf16=True), full), threads
