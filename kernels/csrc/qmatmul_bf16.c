@@ -147,23 +147,30 @@ static void panel_row(const job_t *j, const row_t *r, int b0, int b1, float *tmp
  * at one row the panel's store and reload, not the multiply-adds, were the time (SmolLM2's
  * 3072x576 Q4_1: 0.31 ms against the fp32 tile's 0.11). Four weight rows interleave, so four
  * independent chains hide the decode's and VDPBF16PS's latency (as the fp32 tile_rows). */
-static void run_bdot(const job_t *j, const bf16_t *xb, int n0, int n1) {
+INLINE void bdot_rows(int R, const job_t *j, const bf16_t *xb, int n, int nr) {
     const int nb = j->K / 32;
-    for (int n = n0; n < n1; n += 4) {
-        const int nr = n1 - n < 4 ? n1 - n : 4;
-        row_t rs[4];
-        __m512 a[4];
-        for (int i = 0; i < 4; i++) {
-            rs[i] = job_row(j, n + (i < nr ? i : 0));  /* a short group repeats row n: computed, not stored */
-            a[i] = _mm512_setzero_ps();
-        }
-        for (int b = 0; b < nb; b++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + 32 * (int64_t)b));
-            for (int i = 0; i < 4; i++) a[i] = _mm512_dpbf16_ps(a[i], xv, block_bf16(j->fmt, &rs[i], b));
-        }
-        float o[4];
-        _mm_storeu_ps(o, vsum4(a[0], a[1], a[2], a[3]));
-        memcpy(j->y + n, o, sizeof(float) * nr);
+    row_t rs[4];
+    __m512 a[4];
+    for (int i = 0; i < 4; i++) {
+        rs[i] = job_row(j, n + (i < nr ? i : 0));  /* a short group repeats row n: computed, not stored */
+        a[i] = _mm512_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + 32 * (int64_t)b));
+        for (int i = 0; i < R; i++) a[i] = _mm512_dpbf16_ps(a[i], xv, block_bf16(j->fmt, &rs[i], b));
+    }
+    float o[4];
+    _mm_storeu_ps(o, vsum4(a[0], a[1], a[2], a[3]));
+    memcpy(j->y + n, o, sizeof(float) * nr);
+}
+
+static void run_bdot(const job_t *j, const bf16_t *xb, int n0, int n1) {
+    /* 8-bit codes decode in fewer operations and stream from memory (the LM head): one chain
+     * at a time, as the fp32 tile (tile_rows) does for them */
+    const int R = j->fmt == F_Q8_0 ? 1 : 4;
+    for (int n = n0; n < n1; n += R) {
+        const int nr = n1 - n < R ? n1 - n : R;
+        if (R == 1) bdot_rows(1, j, xb, n, nr); else bdot_rows(4, j, xb, n, nr);
     }
 }
 
