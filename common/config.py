@@ -541,7 +541,8 @@ class GatewayArgs(CurveClientArgs, CatalogArgs):
 class ClientArgs(CurveClientArgs):
     """cluster address"""
 
-    address: str = knob(f"tcp://127.0.0.1:{DEFAULT_PORT}", "the scheduler's client address")
+    address: str = knob(f"tcp://127.0.0.1:{DEFAULT_PORT}", "the scheduler's client address; with a hot standby "
+                                                          "both, comma-separated")
 
 
 # --------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ from zeroserve.common.embeddings import finish_embedding, request_pooling
 from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
-from zeroserve.common.failover import STANDBY_DETAIL, Fence, split_addresses
+from zeroserve.common.failover import Fence, split_addresses
 from zeroserve.common.transport import make_socket, tcp_addr
 from zeroserve.common.prompts import split_prompt
 from zeroserve._request import (
@@ -136,7 +136,8 @@ def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, linger: int = 0
 class AsyncClient(LivenessMixin):
     """asyncio client for a zeroserve cluster; see the module docstring.
 
-    ``address``: the scheduler's client port (``tcp://H:P`` or a port number).
+    ``address``: the scheduler's client port (``tcp://H:P`` or a port number); with a hot standby
+    both schedulers', comma-separated (``"tcp://a:7000,tcp://b:7004"``: zeroserve/liveness.py).
     ``timeout_s``: how long the scheduler may stay silent before calls fail with
     ``ClusterUnavailable``. ``request_timeout_s``: default limit on one request's total time
     (``RequestTimeout``); None = no limit. A client belongs to the event loop it is first used
@@ -502,26 +503,6 @@ class AsyncClient(LivenessMixin):
                             f"{PROTOCOL_VERSION}; install the same zeroserve release on both sides")
         return out
 
-    async def _ask(self, msg: Any, reply_type: type) -> Any:
-        """Send a question and await its answer; with several schedulers, the active one's."""
-        loop = self._ensure_started()
-        deadline = loop.time() + self.timeout_s
-        while True:
-            try:
-                reply = await self._ask_once(msg, reply_type)
-            except ClusterUnavailable as e:
-                if not (self._multi and str(e).startswith(STANDBY_DETAIL)) or loop.time() > deadline:
-                    raise
-                reply = None
-            if reply is not None and not (self._multi and reply_type is P.StatsReply
-                                          and reply.stats.get("role") == "standby"):
-                return reply
-            if loop.time() > deadline:
-                raise self._unavailable()
-            if self._seek_since is None:  # a standby answered: find the active one
-                self._seek()
-            await asyncio.sleep(0.1)
-
     async def _ask_once(self, msg: Any, reply_type: type) -> Any:
         loop = self._ensure_started()
         fut = loop.create_future()
@@ -577,18 +558,6 @@ class AsyncClient(LivenessMixin):
         return (await self._ask(P.MetricsRequest(), P.MetricsReply)).text
 
     # ---------------------------------------------------------------- background tasks
-    async def _watch(self) -> None:
-        """Several schedulers: a dropped connection (a scheduler that died) moves us on at once."""
-        from zmq.utils.monitor import parse_monitor_message
-
-        mon = self._mon
-        while True:
-            try:
-                ev = parse_monitor_message(await mon.recv_multipart())
-            except zmq.ZMQError:  # closed
-                return
-            self._on_disconnect(ev.get("endpoint", b"").decode(errors="replace"))
-
     async def _receiver(self) -> None:
         sock, loop, reqs = self._sock, self._loop, self._reqs
         while True:

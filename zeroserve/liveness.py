@@ -24,11 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from zeroserve.common import messages as P
 from zeroserve.common.codec import decode, encode
 from zeroserve.common.errors import ClusterUnavailable
-from zeroserve.common.failover import NO_ANSWER_S, STANDBY_RETRY_S, STANDBY_WAIT_S
+from zeroserve.common.failover import NO_ANSWER_S, STANDBY_DETAIL, STANDBY_RETRY_S, STANDBY_WAIT_S
 from zeroserve._request import _Req
 
 log = logging.getLogger("zeroserve.client")
@@ -92,6 +96,36 @@ class LivenessMixin:
     def _on_disconnect(self, endpoint: str) -> None:
         if self._multi and endpoint == self.address:
             self._switch("the connection dropped")
+
+    async def _watch(self) -> None:
+        """Several schedulers: a dropped connection (a scheduler that died) moves us on at once."""
+        mon = self._mon
+        while True:
+            try:
+                ev = parse_monitor_message(await mon.recv_multipart())
+            except zmq.ZMQError:  # closed
+                return
+            self._on_disconnect(ev.get("endpoint", b"").decode(errors="replace"))
+
+    async def _ask(self, msg: Any, reply_type: type) -> Any:
+        """Send a question and await its answer; with several schedulers, the active one's."""
+        loop = self._ensure_started()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            try:
+                reply = await self._ask_once(msg, reply_type)
+            except ClusterUnavailable as e:
+                if not (self._multi and str(e).startswith(STANDBY_DETAIL)) or loop.time() > deadline:
+                    raise
+                reply = None
+            if reply is not None and not (self._multi and reply_type is P.StatsReply
+                                          and reply.stats.get("role") == "standby"):
+                return reply
+            if loop.time() > deadline:
+                raise self._unavailable()
+            if self._seek_since is None:  # a standby answered: find the active one
+                self._seek()
+            await asyncio.sleep(0.1)
 
     def _on_pong(self, m: P.Pong) -> None:
         """Which scheduler holds each live request; those a restarted one lost end or go again."""
