@@ -110,3 +110,106 @@ def test_a_standby_answers_standby_and_serves_nothing():
     assert standby_answer(P.Submit(request_id="r", prompt="x"), "sb", 3, "x") is None  # dropped: the client moves on
     err = standby_answer(P.ModelsRequest(), "sb", 3, "x")
     assert isinstance(err, P.Error) and err.code == "unavailable"
+
+
+# ---- a backend peer with two scheduler addresses, against scripted schedulers (ROUTERs here) ----
+class _Scripted:
+    """A ROUTER that answers every HELLO with `answer(hello)` (None: silence) and records them;
+    with `on_message`, that handles every message instead."""
+
+    def __init__(self, ctx: zmq.Context, on_message=None) -> None:
+        import threading
+
+        from zeroserve.common.transport import Channel, bind_free_port, make_socket
+
+        sock = make_socket(ctx, zmq.ROUTER)
+        self.addr = bind_free_port(sock)
+        self.ch = Channel(sock)
+        self.answer = lambda h: None
+        self.hellos: list[P.Hello] = []
+        self.on_message = on_message
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.ch.poll(0.02):
+                continue
+            ident, msg = self.ch.recv()
+            if self.on_message is not None:
+                self.on_message(ident, msg)
+            elif isinstance(msg, P.Hello):
+                self.hellos.append(msg)
+                w = self.answer(msg)
+                if w is not None:
+                    self.ch.send(w, ident)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self.ch.close()
+
+
+def test_a_backend_peer_passes_a_standby_over_and_fences_a_deposed_scheduler(monkeypatch):
+    import threading
+
+    from zeroserve.services import backend_peer as bp
+
+    monkeypatch.setattr(bp, "STANDBY_WAIT_S", 0.3)
+    ctx = zmq.Context()
+    a, b = _Scripted(ctx), _Scripted(ctx)
+    peer = bp.BackendPeer(ctx, f"{a.addr},{b.addr}", "w1", role="worker", heartbeat_interval_s=0.05)
+    stop = threading.Event()
+    try:
+        hello = lambda: P.Hello(role="worker", worker_id="w1", model="m", num_kv_blocks=1, block_size=16)  # noqa: E731
+        a.answer = lambda h: P.Welcome(status="rejoin", standby=True, scheduler_id="A", term=1)
+        b.answer = lambda h: P.Welcome(status="accepted", scheduler_id="B", term=2)
+        w = peer.join(hello, stop)
+        assert w.scheduler_id == "B" and peer.scheduler_addr == b.addr and peer.fence.term == 2
+        assert a.hellos[0].term == 0 and b.hellos[0].term == 1  # the standby's answer said term 1
+        # a Pong of a lower term: the scheduler we talk to is deposed; leave it, as after a restart
+        assert peer.note(P.Pong(nonce=0, scheduler_id="B", term=1))
+        assert peer.rejoin.is_set() and peer.rejoin_reason()[0] and peer.scheduler_addr == a.addr
+        peer.rejoin.clear()
+        # A now believes it is active at term 1: its Welcome is passed over, B (term 2) welcomes us
+        a.answer = lambda h: P.Welcome(status="accepted", scheduler_id="A", term=1)
+        n_b = len(b.hellos)
+        w = peer.join(hello, stop)
+        assert w.scheduler_id == "B" and peer.fence.term == 2
+        assert a.hellos[-1].term == 2 and b.hellos[n_b].term == 2  # each HELLO says the term we know
+    finally:
+        stop.set()
+        peer.close()
+        a.close()
+        b.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_client_drops_outputs_of_a_lower_term():
+    """A client with two addresses that met term 2 does not deliver a term-1 Output (a deposed
+    scheduler's), and delivers the rest of the stream."""
+    from zeroserve import Client
+
+    ctx = zmq.Context()
+
+    def serve(ident: bytes, msg) -> None:
+        if isinstance(msg, P.Ping):
+            a.ch.send(P.Pong(nonce=msg.nonce, scheduler_id="A", term=2), ident)
+        elif isinstance(msg, P.Submit):
+            rid = msg.request_id
+            a.ch.send(P.Outputs(items=[P.Output(request_id=rid, token_ids=[5], prompt_token_ids=[1, 2])], term=2),
+                      ident)
+            a.ch.send(P.Outputs(items=[P.Output(request_id=rid, token_ids=[6])], term=1), ident)
+            a.ch.send(P.Outputs(items=[P.Output(request_id=rid, token_ids=[7], finish_reason="length")], term=2),
+                      ident)
+
+    a = _Scripted(ctx, serve)
+    try:
+        with Client(f"{a.addr},tcp://127.0.0.1:1", timeout_s=5.0) as c:
+            c.health()  # learns term 2 from the Pong
+            out = c.generate([1, 2], {"max_tokens": 3})
+        assert out.outputs[0].token_ids == [5, 7]
+    finally:
+        a.close()
+        ctx.destroy(linger=0)
