@@ -10,11 +10,13 @@
   active at term 1, and the peers that come back to it say term 2 (HELLO, Ping), so it steps down
   (exit code EXIT_DEPOSED) without serving them; once the standby continues the streams end as an
   undisturbed run's, nothing lost or repeated.
+* A real worker welcomed at term 2 does not run a step stamped term 1 (a deposed scheduler's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -140,3 +142,68 @@ def test_a_deposed_scheduler_steps_down_when_peers_name_a_higher_term():
             if ch is not None and ch.proc.poll() is None:
                 ch.proc.send_signal(signal.SIGCONT)
         c.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_does_not_run_a_step_of_a_lower_term(tmp_path):
+    """A real worker process that a term-2 scheduler welcomed: a Step stamped term 1 (what a
+    deposed scheduler still subscribed to would publish) is dropped unrun; the same step at term 2
+    runs and is answered. The scheduler here is a scripted ROUTER + PUB in the test."""
+    import subprocess
+
+    import zmq
+
+    from zeroserve.common import messages as P
+    from zeroserve.common.codec import group_topic
+    from zeroserve.common.transport import Channel, bind_free_port, make_socket
+    from zeroserve.services.launcher import _die_with_parent
+
+    ctx = zmq.Context()
+    backend, steps = make_socket(ctx, zmq.ROUTER), make_socket(ctx, zmq.PUB)
+    b_addr, s_addr = bind_free_port(backend), bind_free_port(steps)
+    bch, sch = Channel(backend), Channel(steps)
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 (closed below)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{SESSION_ENV: SESSION_TAG})
+    # two addresses: the worker fences by term (the second one never answers)
+    w = subprocess.Popen([sys.executable, "-m", "zeroserve.services.cli", "worker", "--scheduler",
+                          f"{b_addr},tcp://127.0.0.1:{free_port()}", "--model", str(cached_model_dir("llama")),
+                          "--worker-id", "w1", "--threads", "1", "--num-kv-blocks", "64", "--heartbeat-interval", "0.2"],
+                         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    try:
+        def recv(kind, timeout: float):
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if bch.poll(0.05):
+                    ident, msg = bch.recv()
+                    if isinstance(msg, P.Heartbeat):  # a live scheduler answers a heartbeat with a term
+                        bch.send(P.Pong(nonce=0, scheduler_id="S2", term=2), ident)
+                    if isinstance(msg, kind):
+                        return ident, msg
+            return None, None
+
+        ident, hello = recv(P.Hello, 90)
+        assert hello is not None, (tmp_path / "worker.log").read_text()[-3000:]
+        bch.send(P.Welcome(status="accepted", group=hello.group, step_addr=s_addr, scheduler_id="S2", term=2), ident)
+        topic = group_topic(hello.group)
+        deadline = time.monotonic() + 30
+        while recv(P.ProbeAck, 0.1)[1] is None:  # until its SUB is subscribed
+            assert time.monotonic() < deadline
+            sch.send(P.Probe(probe_id="p"), topic)
+
+        def step(term: int) -> P.Step:
+            return P.Step(seq=1, group=hello.group, term=term, new_reqs=[P.NewRequest(
+                req_id="r", token_ids=[1, 2, 3], num_prompt_tokens=3, block_ids=[0], num_scheduled_tokens=3)])
+
+        sch.send(step(1), topic)
+        assert recv(P.StepResult, 2.0)[1] is None, "a term-1 step ran"
+        sch.send(step(2), topic)
+        _, res = recv(P.StepResult, 30)
+        assert res is not None and res.seq == 1 and res.req_ids == ["r"]
+        assert "dropped a step of a deposed scheduler" in (tmp_path / "worker.log").read_text()
+    finally:
+        w.kill()
+        w.wait(10)
+        log.close()
+        bch.close()
+        sch.close()
+        ctx.destroy(linger=0)
