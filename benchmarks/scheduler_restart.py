@@ -271,7 +271,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the tests' tiny random llama)")
     ap.add_argument("--streams", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=480)
+    # --standby: 960 by default (and KV for all of them: 2048 blocks). Before the 2nd kill the pair
+    # must be whole again (`up` restarts the killed one after 2 s, its start takes 1.5-3 s under
+    # load): 480-token streams had sometimes ended by then
+    ap.add_argument("--max-tokens", type=int, default=None, help="per stream (default 480; 960 with --standby)")
     ap.add_argument("--kills", type=int, default=2, choices=range(1, len(KILL_AFTER) + 1))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--standby", action="store_true", help="`up --standby`: kill the active scheduler, the standby "
@@ -290,10 +293,12 @@ def main() -> int:
     address = standby_address(port) if a.standby else f"tcp://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "up.log"
-        up = start_up(model, port, free_port(), log_path, extra=("--standby",) if a.standby else ())
+        up = start_up(model, port, free_port(), log_path,
+                      extra=("--standby", "--num-kv-blocks", "2048") if a.standby else ())
         try:
             wait_ready(address, up, 300, log_path)
-            r = asyncio.run(streams_through_kills(address, up, a.streams, a.max_tokens, a.kills))
+            max_tokens = a.max_tokens or (960 if a.standby else 480)
+            r = asyncio.run(streams_through_kills(address, up, a.streams, max_tokens, a.kills))
         finally:
             stop_up(up)
     same = sum(o == ref for o, ref in zip(r["outs"], r["ref"]))

@@ -180,6 +180,7 @@ class SchedulerService:
     def _follow(self) -> None:
         """The standby's loop: answer "standby", follow the peer, take over when its lease lapses."""
         f = self.follower
+        f.start(time.monotonic())  # the lease runs from the first ping, not from a slow start-up
         while not self._stop:
             events = dict(self.poller.poll(int(FOLLOW_PING_S * 500)))
             now = time.monotonic()

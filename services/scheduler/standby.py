@@ -58,7 +58,7 @@ class Follower:
         self.ch = Channel(sock)
         self.dropped_at: float | None = None  # the connection to the peer dropped (and did not come back)
         self.peer_addr, self.lease_s = peer_addr, lease_s
-        self.active_at = now  # the last Pong of an active peer (start: the lease runs from our start)
+        self.active_at = now  # the last Pong of an active peer (start(): the lease runs from the first ping)
         self.standby_at = -1e9  # the last Pong of a standby peer
         self.peer_term, self.peer_id, self.peer_active = 0, "", False
         self.next_ping = 0.0
@@ -67,6 +67,11 @@ class Follower:
     @property
     def sock(self) -> zmq.Socket:
         return self.ch.sock
+
+    def start(self, now: float) -> None:
+        """Following begins: the lease runs from here (a start-up that took longer than the lease,
+        tokenizers loading on a busy host, must not make a standby take over before it asked)."""
+        self.active_at, self.next_ping = now, 0.0
 
     def ping(self, now: float, term: int) -> None:
         if now >= self.next_ping:
