@@ -1,4 +1,5 @@
-"""The pause a stream sees when the scheduler is SIGKILLed and `zeroserve up` restarts it.
+"""The pause a stream sees when the scheduler is SIGKILLed and `zeroserve up` restarts it, or
+(--standby) its hot standby takes over.
 
 Starts `zeroserve up` (one worker, a tiny random model unless --model), runs N concurrent
 streams (half greedy, half seeded), SIGKILLs the scheduler once every stream has tokens (and
@@ -9,6 +10,7 @@ at once and do not end the pause). tests/chaos/test_scheduler_restart.py runs th
 
     .venv/bin/python benchmarks/scheduler_restart.py                    # 24 streams, 2 kills
     .venv/bin/python benchmarks/scheduler_restart.py --streams 8 --kills 1 --json
+    .venv/bin/python benchmarks/scheduler_restart.py --standby          # `up --standby`: the active one is killed
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def start_up(model_dir: str, port: int, gateway_port: int, log_path: Path, env: 
                                 env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
+def standby_address(port: int) -> str:
+    """Both schedulers of `up --standby --port PORT` (the standby on PORT + 4)."""
+    return f"tcp://127.0.0.1:{port},tcp://127.0.0.1:{port + 4}"
+
+
 def stop_up(up: subprocess.Popen) -> None:
     up.send_signal(signal.SIGTERM)
     try:
@@ -71,14 +78,31 @@ def stop_up(up: subprocess.Popen) -> None:
 
 
 def child(up: subprocess.Popen, role: str = "scheduler") -> psutil.Process | None:
-    """`up`'s child serving `role` (scheduler, worker, detokenizer); the first of several."""
+    """`up`'s child serving `role` (scheduler, worker, detokenizer); the first of several. Under
+    `up --standby` the scheduler is the active one of the two."""
+    procs = []
     for p in psutil.Process(up.pid).children():
         try:
             if role in p.cmdline():
-                return p
+                procs.append(p)
         except psutil.Error:
             continue
-    return None
+    if role == "scheduler" and len(procs) > 1:
+        return next((p for p in procs if scheduler_role(p) == "active"), None)
+    return procs[0] if procs else None
+
+
+def scheduler_role(p: psutil.Process) -> str | None:
+    """A scheduler process's role (active, standby; None: not answering) from its stats."""
+    from zeroserve import Client
+
+    try:
+        argv = p.cmdline()
+        port = argv[argv.index("--port") + 1]
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=1.0) as c:
+            return c.stats().get("role")
+    except Exception:  # noqa: BLE001 - starting, or gone
+        return None
 
 
 def wait_ready(address: str, up: subprocess.Popen, timeout: float, log_path: Path | None = None) -> None:
@@ -97,18 +121,33 @@ def wait_ready(address: str, up: subprocess.Popen, timeout: float, log_path: Pat
             try:
                 s = c.stats()
                 if any(g["state"] == "ready" for g in s["groups"]) and s["detokenizer"]["connected"]:
-                    return
+                    break
             except Exception:  # noqa: BLE001 - not up yet
                 pass
             time.sleep(0.2)
-    raise TimeoutError("the cluster was not ready")
+        else:
+            raise TimeoutError("the cluster was not ready")
+    for other in address.split(",")[1:]:  # `up --standby`: and its standby follows the active one
+        with Client(other, timeout_s=2.0) as c:
+            while True:
+                assert time.monotonic() < deadline, "the standby did not start"
+                try:
+                    if c.stats().get("role") == "standby":
+                        break
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                time.sleep(0.2)
 
 
 async def kill_and_wait_restart(up: subprocess.Popen, timeout: float = 60.0,
                                 roles: tuple[str, ...] = ("scheduler",), gap_s: float = 0.0) -> float:
     """SIGKILL `up`'s children of `roles` (the scheduler by default), `gap_s` apart, wait until
-    `up` started each again; returns the scheduler's kill time (the first kill's without it)."""
-    old = {r: child(up, r) for r in roles}
+    `up` started each again; returns the scheduler's kill time (the first kill's without it).
+    Under `up --standby` the active scheduler is killed and this returns once the pair is whole
+    again (the standby took over, the killed one came back as its standby). The look-ups run in a
+    thread: the streams' arrival stamps are taken on this loop."""
+    pair = len(schedulers(up)) > 1
+    old = {r: await asyncio.to_thread(child, up, r) for r in roles}
     assert all(old.values()), f"no child for each of {roles}"
     at = {}
     for i, (r, p) in enumerate(old.items()):
@@ -117,10 +156,35 @@ async def kill_and_wait_restart(up: subprocess.Popen, timeout: float = 60.0,
         at[r] = time.monotonic()
         p.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + timeout
-    while any((new := child(up, r)) is None or new.pid == p.pid for r, p in old.items()):
+    def restarted() -> bool:
+        return all((new := child(up, r)) is not None and new.pid != p.pid and p_gone(p) for r, p in old.items())
+
+    while not await asyncio.to_thread(restarted):
         assert time.monotonic() < deadline, f"up did not restart each of {roles}"
         await asyncio.sleep(0.05)
+    while pair and sorted(await asyncio.to_thread(lambda: [str(scheduler_role(p)) for p in schedulers(up)])) != [
+            "active", "standby"]:
+        assert time.monotonic() < deadline, "the killed scheduler did not come back as the standby"
+        await asyncio.sleep(0.2)
     return at.get("scheduler", min(at.values()))
+
+
+def schedulers(up: subprocess.Popen) -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process(up.pid).children():
+        try:
+            if "scheduler" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def p_gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 # ------------------------------------------------------------------------------- the streams
@@ -207,9 +271,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the tests' tiny random llama)")
     ap.add_argument("--streams", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=480)
+    # --standby: 960 by default (and KV for all of them: 2048 blocks). Before the 2nd kill the pair
+    # must be whole again (`up` restarts the killed one after 2 s, its start takes 1.5-3 s under
+    # load): 480-token streams had sometimes ended by then
+    ap.add_argument("--max-tokens", type=int, default=None, help="per stream (default 480; 960 with --standby)")
     ap.add_argument("--kills", type=int, default=2, choices=range(1, len(KILL_AFTER) + 1))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--standby", action="store_true", help="`up --standby`: kill the active scheduler, the standby "
+                                                           "takes over (else `up` restarts it)")
     a = ap.parse_args()
     import tempfile
 
@@ -220,14 +289,16 @@ def main() -> int:
         from tests.helpers import cached_model_dir
 
         model = str(cached_model_dir("llama"))
-    port = free_port_block(4)
-    address = f"tcp://127.0.0.1:{port}"
+    port = free_port_block(8 if a.standby else 4)
+    address = standby_address(port) if a.standby else f"tcp://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "up.log"
-        up = start_up(model, port, free_port(), log_path)
+        up = start_up(model, port, free_port(), log_path,
+                      extra=("--standby", "--num-kv-blocks", "2048") if a.standby else ())
         try:
             wait_ready(address, up, 300, log_path)
-            r = asyncio.run(streams_through_kills(address, up, a.streams, a.max_tokens, a.kills))
+            max_tokens = a.max_tokens or (960 if a.standby else 480)
+            r = asyncio.run(streams_through_kills(address, up, a.streams, max_tokens, a.kills))
         finally:
             stop_up(up)
     same = sum(o == ref for o, ref in zip(r["outs"], r["ref"]))
@@ -236,7 +307,7 @@ def main() -> int:
             at = next((j for j, (x, y) in enumerate(zip(o[0], ref[0])) if x != y), min(len(o[0]), len(ref[0])))
             print(f"stream {i} differs: tokens from {at} ({len(o[0])} vs {len(ref[0])} undisturbed); text "
                   f"{'same' if o[1] == ref[1] else 'differs'}", file=sys.stderr)
-    res = {"streams": a.streams, "identical_to_undisturbed": same,
+    res = {"streams": a.streams, "standby": a.standby, "identical_to_undisturbed": same,
            "pauses": [summary(pauses(r["stamps"], r["kills"], k)) for k in range(len(r["kills"]))]}
     if a.json:
         print(json.dumps(res))

@@ -124,6 +124,7 @@ class Ping(Message):
     # the client's requests no Pong has confirmed yet: the Pong says which of them it does not
     # hold (a scheduler that died between a Submit and its Pong, and came back, lost them)
     request_ids: Annotated[list[Name], msgspec.Meta(max_length=MAX_PING_IDS)] = msgspec.field(default_factory=list)
+    term: Seq = 0  # the highest scheduler term this peer has seen (common/failover.py)
 
 
 class Pong(Message):
@@ -131,6 +132,8 @@ class Pong(Message):
     protocol_version: int = PROTOCOL_VERSION
     scheduler_id: str = ""
     unknown: list[Name] = msgspec.field(default_factory=list)  # of Ping.request_ids
+    term: Seq = 0  # the sending scheduler's term: a peer that knows a higher one drops it (common/failover.py)
+    standby: bool = False  # a standby answered: it serves nothing while its active lives (go to the next address)
 
 
 class StatsRequest(Message):
@@ -256,6 +259,7 @@ class Output(Message):
 
 class Outputs(Message):
     items: list[Output] = msgspec.field(default_factory=list)
+    term: Seq = 0  # the sending scheduler's term: a peer that knows a higher one drops it (common/failover.py)
 
 
 MAX_REATTACH_SEQS = 1024  # completions of one re-attached request (SamplingParams caps n lower)
@@ -376,6 +380,7 @@ class Hello(Message, kw_only=True):
     # HELLO without them (an older worker) reads as pp=1
     pp_rank: Count = 0
     pp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    term: Seq = 0  # the highest scheduler term this peer has seen (common/failover.py)
 
     def check(self) -> str | None:
         if self.pool and self.tp_size != 1:
@@ -410,6 +415,8 @@ class Welcome(Message):
     dist_init_addr: Text | None = None
     scheduler_id: str = ""
     protocol_version: int = PROTOCOL_VERSION
+    term: Seq = 0  # the sending scheduler's term: a peer that knows a higher one drops it (common/failover.py)
+    standby: bool = False  # with status rejoin: a standby answered; say HELLO to the active scheduler
 
     @property
     def accepted(self) -> bool:
@@ -419,6 +426,7 @@ class Welcome(Message):
 class Heartbeat(Message):
     worker_id: Name
     stats: Stats = msgspec.field(default_factory=dict)
+    term: Seq = 0  # the highest scheduler term this peer has seen (common/failover.py)
 
 
 class Probe(Message):
@@ -522,6 +530,7 @@ class Step(Message):
     # speculative decoding: per cached request (aligned with cached.req_ids), how many draft
     # tokens past its scheduled ones have KV slots reserved (the most it may propose); None = 0
     num_lookahead_tokens: I32 | None = None
+    term: Seq = 0  # the sending scheduler's term: a peer that knows a higher one drops it (common/failover.py)
 
     def check(self) -> str | None:
         rows = 0 if self.token_bitmask is None else self.token_bitmask.shape[0]
@@ -691,6 +700,7 @@ class DetokRequest(Message):
 
 class DetokNew(Message):
     items: list[DetokRequest] = msgspec.field(default_factory=list)
+    term: Seq = 0  # the sending scheduler's term: a peer that knows a higher one drops it (common/failover.py)
 
 
 class DetokTokens(Message):
@@ -702,6 +712,7 @@ class DetokTokens(Message):
     counts: I32 = msgspec.field(default_factory=empty_i32)
     token_ids: I32 = msgspec.field(default_factory=empty_i32)
     finish_reasons: list[FinishReason | None] = msgspec.field(default_factory=list)
+    term: Seq = 0  # the sending scheduler's term: a peer that knows a higher one drops it (common/failover.py)
 
     def check(self) -> str | None:
         r = len(self.req_ids)

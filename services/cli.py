@@ -133,8 +133,11 @@ def _status(args) -> int:
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
+    if s.get("role") == "standby":  # a hot standby (services/scheduler/standby.py): healthy, serving nothing
+        print(f"scheduler {s.get('scheduler_id')}  standby of {s.get('standby_of')}  term {s.get('term')}")
+        return 0
     a = s.get("addresses", {})
-    print(f"scheduler {s.get('scheduler_id')}  up {s.get('uptime_s', 0):.0f}s  client {a.get('client')}  "
+    print(f"scheduler {s.get('scheduler_id')}  {s.get('role', 'active')} term {s.get('term', '-')}  up {s.get('uptime_s', 0):.0f}s  client {a.get('client')}  "
           f"backend {a.get('backend')}")
     det = s.get("detokenizer", {})
     print(f"detokenizer: {'connected ' + str(det.get('worker_id')) if det.get('connected') else 'NOT connected'}")

@@ -2,13 +2,16 @@
 
 Starts the scheduler, the detokenizer and N worker groups (T shards each), prints one line per
 service and a final ready line, restarts a child that crashes (with backoff), and stops
-everything on Ctrl-C / SIGTERM. Children get PR_SET_PDEATHSIG, so even a SIGKILLed launcher
+everything on Ctrl-C / SIGTERM. With --standby, a second scheduler on port + 4 once the first is
+ready; each is `--standby-of` the other (services/scheduler/standby.py), so a restarted one comes
+back as the standby of the one that took over, and every peer gets both addresses. Children get PR_SET_PDEATHSIG, so even a SIGKILLed launcher
 leaves no orphans.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -35,6 +38,8 @@ log = get_logger("up")
 
 PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 600.0
+STANDBY_PORT_OFFSET = 4  # `up --standby`: the standby scheduler's four ports follow the active one's
+STANDBY_RESTART_S = 2.0  # `up --standby`: a scheduler of the pair that exited starts again after this
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -53,6 +58,9 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    # a scheduler of a standby pair: its peer serves meanwhile, and its start (a second of CPU for
+    # imports) would compete with the takeover's re-attach on a small host
+    min_backoff_s: float = 0.0
     started: float = 0.0
     next_start: float = 0.0
 
@@ -78,11 +86,22 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
                if getattr(args, k, None)}
     models = [] if pool else [model]
     sched = from_cli_args(SchedulerConfig, args, models=models, curve_keys=curve_keys, **catalog)
-    backend = sched.addresses()["backend"]
+    backend, client = sched.addresses()["backend"], sched.addresses()["client"]
+    standby = None
+    if getattr(args, "standby", False):  # the pair: each follows the other (the first up becomes active)
+        standby = dataclasses.replace(sched, port=sched.port + STANDBY_PORT_OFFSET, standby_of=client,
+                                      metrics_port=sched.metrics_port + 1 if sched.metrics_port else 0)
+        sched = dataclasses.replace(sched, standby_of=standby.addresses()["client"])
+        backend += "," + standby.addresses()["backend"]
+        client += "," + standby.addresses()["client"]
     detok = DetokenizerArgs(scheduler=backend, models=models, curve_keys=curve_keys, **catalog)
-    children = [Child("scheduler", base + ["scheduler", *to_cli_args(sched)], role="scheduler"),
+    pair = STANDBY_RESTART_S if standby is not None else 0.0
+    children = [Child("scheduler", base + ["scheduler", *to_cli_args(sched)], role="scheduler", min_backoff_s=pair),
                 Child("detokenizer", base + ["detokenizer", *to_cli_args(detok, skip=("curve_client",))],
                       role="detokenizer")]
+    if standby is not None:
+        children.append(Child("standby", base + ["scheduler", *to_cli_args(standby)], role="scheduler",
+                              min_backoff_s=pair))
     pp = getattr(args, "pp", 1)
     engine = to_cli_args(from_cli_args(EngineArgs, args, model=None if pool else model, tp_size=args.tp, pp_size=pp),
                          only=WORKER_ENGINE_KNOBS)
@@ -102,7 +121,7 @@ def plan_children(args, model: str, gateway: bool = False) -> list[Child]:
                 children.append(Child(name, base + ["worker", *to_cli_args(worker, skip=("curve_client",)), *engine],
                                       env=dict(worker_env)))
     if gateway:
-        gw = GatewayArgs(scheduler=sched.addresses()["client"], host=args.host, port=args.gateway_port,
+        gw = GatewayArgs(scheduler=client, host=args.host, port=args.gateway_port,
                          models=models, curve_keys=curve_keys, nice=args.gateway_nice, **catalog,
                          ui=not getattr(args, "no_ui", False))
         children.append(Child("gateway", base + ["gateway", *to_cli_args(gw, skip=("curve_client",))],
@@ -146,6 +165,7 @@ def supervise(children: list[Child], now: float) -> None:
             if now - c.started > 60:
                 c.restarts = 0
                 backoff = 0.5
+            backoff = max(backoff, c.min_backoff_s)
             log.warning("child exited; restarting", child=c.name, code=c.proc.returncode, in_s=backoff)
             c.next_start = now + backoff
         elif now >= c.next_start:
@@ -283,15 +303,17 @@ def main(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     client_addr = f"tcp://{args.host}:{args.port}"
+    standby = next((c for c in children if c.name == "standby"), None)
     try:
         for c in children:
-            c.start()
+            if c is not standby:  # after the first is active: it then finds an active peer and waits
+                c.start()
         print(f"scheduler    pid {children[0].proc.pid}  clients {client_addr}  backend tcp://{args.host}:{args.port + 1}"
               f"  steps tcp://{args.host}:{args.port + 2}  events tcp://{args.host}:{args.port + 3}", flush=True)
         print(f"detokenizer  pid {children[1].proc.pid}  -> tcp://{args.host}:{args.port + 1}", flush=True)
         gateway = next((c for c in children if c.role == "gateway"), None)
         for c in children[2:]:
-            if c is not gateway:
+            if c is not gateway and c is not standby:
                 print(f"{c.name:<12} pid {c.proc.pid}  model {model}  device {args.device}", flush=True)
         if gateway is not None:
             print(f"gateway      pid {gateway.proc.pid}  http://{args.host}:{args.gateway_port}/v1  (OpenAI API; "
@@ -304,9 +326,13 @@ def main(args) -> int:
                   "user) can submit requests, read prompts or join as a worker/detokenizer; to turn it on: "
                   "zeroserve keys DIR, then zeroserve up --curve-keys DIR", flush=True)
         try:
-            if wait_ready(client_addr, 0 if pool else args.workers, children, should_stop=lambda: stopping,
-                          curve_keys=curve_keys) is None:
+            if wait_ready(client_addr, 0 if pool else args.workers, [c for c in children if c is not standby],
+                          should_stop=lambda: stopping, curve_keys=curve_keys) is None:
                 return 0
+            if standby is not None:
+                standby.start()
+                print(f"standby      pid {standby.proc.pid}  clients tcp://{args.host}:{args.port + STANDBY_PORT_OFFSET}"
+                      f"  (hot standby: takes over within --standby-lease)", flush=True)
             if gateway is not None:
                 # the cluster is up: a child that dies while the gateway starts is restarted
                 others = [c for c in children if c is not gateway]

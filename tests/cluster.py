@@ -99,11 +99,17 @@ class LocalCluster:
     def __init__(self, model_dir: str | Path, workers: int = 1, tp: int = 1, num_kv_blocks: int = 256,
                  scheduler_args: list[str] | None = None, worker_args: list[str] | None = None,
                  detokenizer: bool = True, threads: int = 1, curve_keys: str | Path | None = None,
-                 pp: int = 1) -> None:
+                 pp: int = 1, standby: bool = False) -> None:
         self.model = str(model_dir)
         self.port = free_port_block(4)
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.backend = f"tcp://127.0.0.1:{self.port + 1}"
+        # a hot standby: a second scheduler, "scheduler-b", each --standby-of the other; every peer
+        # and client() gets both addresses (services/scheduler/standby.py)
+        self.standby_port = free_port_block(4) if standby else None
+        if standby:
+            self.address += f",tcp://127.0.0.1:{self.standby_port}"
+            self.backend += f",tcp://127.0.0.1:{self.standby_port + 1}"
         self.n_workers, self.tp, self.pp = workers, tp, pp
         self.num_kv_blocks = num_kv_blocks
         self.scheduler_args = scheduler_args or []
@@ -134,10 +140,37 @@ class LocalCluster:
         self.children[name] = child
         return child
 
-    def start_scheduler(self) -> Child:
-        return self._start("scheduler", self._cmd(
-            "scheduler", "--port", str(self.port), "--model", self.model, "--heartbeat-timeout", "3",
+    def start_scheduler(self, name: str = "scheduler") -> Child:
+        """The scheduler; with a standby, `name` "scheduler" or "scheduler-b" (each --standby-of the other)."""
+        port, peer = (self.port, self.standby_port) if name == "scheduler" else (self.standby_port, self.port)
+        standby = ["--standby-of", f"tcp://127.0.0.1:{peer}"] if self.standby_port else []
+        return self._start(name, self._cmd(
+            "scheduler", "--port", str(port), "--model", self.model, "--heartbeat-timeout", "3", *standby,
             *self.curve_args, *self.scheduler_args), role="scheduler")
+
+    def role(self, name: str, timeout: float = 60.0) -> dict:
+        """With a standby: scheduler `name`'s stats (its "role": active or standby, its "term")."""
+        from zeroserve import Client
+
+        port = self.port if name == "scheduler" else self.standby_port
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with Client(f"tcp://127.0.0.1:{port}", timeout_s=2.0,
+                            **({"curve_keys": self.curve_keys} if self.curve_keys else {})) as c:
+                    return c.stats()
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def wait_role(self, name: str, role: str, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while (s := self.role(name, timeout))["role"] != role:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} is not {role}: {s.get('role')}\n{self.logs()}")
+            time.sleep(0.1)
+        return s
 
     def start_detokenizer(self, name: str = "detokenizer") -> Child:
         return self._start(name, self._cmd("detokenizer", "--scheduler", self.backend, "--model", self.model,
@@ -162,6 +195,9 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         self.start_scheduler()
+        if self.standby_port:  # "scheduler" first: it finds no active peer and takes over; then its standby
+            self.wait_role("scheduler", "active")
+            self.start_scheduler("scheduler-b")
         if self.with_detok:
             self.start_detokenizer()
         for g in range(self.n_workers):

@@ -47,6 +47,7 @@ PP_FILE = COMPOSE / "docker-compose.pp.yml"
 TP_GPU_FILE = COMPOSE / "docker-compose.tp-gpu.yml"
 MONITORING_FILE = COMPOSE / "docker-compose.monitoring.yml"
 POOL_FILE = COMPOSE / "docker-compose.pool.yml"
+STANDBY_FILE = COMPOSE / "docker-compose.standby.yml"
 SCALE = 2
 DEFAULT_SERVICES = {"model-init", "scheduler", "detokenizer", "worker", "gateway"}
 LONG_RUNNING = {"scheduler", "detokenizer", "worker", "gateway"}
@@ -320,7 +321,7 @@ def test_commands_parse_with_the_cli():
     image = dockerfile()
     seen = 0
     for svc in [*load(BASE_FILE, {})["services"].values(), *load(TP_FILE, {})["services"].values(),
-                *load(PP_FILE, {})["services"].values()]:
+                *load(PP_FILE, {})["services"].values(), *load(STANDBY_FILE, {})["services"].values()]:
         entry = svc.get("entrypoint") or image["entrypoint"]
         if entry == ["zeroserve"]:
             build_parser().parse_args(svc.get("command") or image["cmd"])
@@ -331,6 +332,31 @@ def test_commands_parse_with_the_cli():
             seen += 1
     build_parser().parse_args(image["cmd"])
     assert seen >= 5
+
+
+def test_standby_override():
+    """docker-compose.standby.yml: a scheduler-standby beside the scheduler, each --standby-of the
+    other, and both addresses (in the same order) wherever a service or a healthcheck dials one."""
+    from zeroserve.common.config import SchedulerConfig
+
+    base, sb = load(BASE_FILE, {}), load(STANDBY_FILE, {})
+    assert set(sb["services"]) - set(base["services"]) == {"scheduler-standby"}
+    new = sb["services"]["scheduler-standby"]
+    env = env_map(new["environment"])
+    assert env["ZEROSERVE_STANDBY_OF"] == "tcp://scheduler:7000" and new["hostname"] == "scheduler-standby"
+    assert env["ZEROSERVE_ADVERTISE_HOST"] == "scheduler-standby" and env["ZEROSERVE_PORT"] == "7000"
+    assert env_map(sb["services"]["scheduler"]["environment"])["ZEROSERVE_STANDBY_OF"] == \
+        "tcp://scheduler-standby:7000"
+    assert all(h == "127.0.0.1" for h, _, _ in published(new))
+    base_env = env_map(base["services"]["scheduler"]["environment"])
+    for k in ("ZEROSERVE_HOST", "ZEROSERVE_MAX_NUM_SEQS", "ZEROSERVE_MAX_NUM_BATCHED_TOKENS", "ZEROSERVE_METRICS_PORT"):
+        assert env[k] == base_env[k], k  # the standby serves as the scheduler does once it takes over
+    for name, port in (("detokenizer", 7001), ("worker", 7001), ("gateway", 7000)):
+        want = f"tcp://scheduler:{port},tcp://scheduler-standby:{port}"
+        assert env_map(sb["services"][name]["environment"])["ZEROSERVE_SCHEDULER"] == want, name
+        hc = " ".join(sb["services"][name].get("healthcheck", {}).get("test", []))
+        assert "tcp://scheduler:7000\"" not in hc, f"{name}'s healthcheck dials one scheduler only"
+    SchedulerConfig(standby_of=env["ZEROSERVE_STANDBY_OF"])
 
 
 def test_gpu_override():
@@ -364,7 +390,8 @@ def test_every_variable_has_a_default_and_is_documented():
             k, _, v = ln.partition("=")
             example[k.strip()] = v.strip()
     used = {}
-    for f in [BASE_FILE, GPU_FILE, TP_FILE, TP_GPU_FILE, PP_FILE, MONITORING_FILE, *COMPOSE.glob("docker-stack*.yml")]:
+    for f in [BASE_FILE, GPU_FILE, TP_FILE, TP_GPU_FILE, PP_FILE, MONITORING_FILE, STANDBY_FILE,
+              *COMPOSE.glob("docker-stack*.yml")]:
         used.update(variables(load(f)))
     for name, default in used.items():
         assert default is not None, f"${{{name}}} needs a :- default so the stack starts without a .env"

@@ -630,7 +630,7 @@ def test_body_of_the_wrong_shape():
 
 
 def test_extra_trailing_fields_are_refused():
-    assert_bad([b"Ping", msgpack.packb([1, [], 2])], "Ping: expected list of at most length 2, got 3")
+    assert_bad([b"Ping", msgpack.packb([1, [], 0, 2])], "Ping: expected list of at most length 3, got 4")
     sub = M.Submit(request_id="a", prompt="x")
     n = len(M.Submit.__struct_fields__)
     assert_bad(reencode(sub, body_of(sub) + [None]), f"Submit: expected list of at most length {n}, got {n + 1}")

@@ -73,6 +73,7 @@ from zeroserve.common.embeddings import finish_embedding, request_pooling
 from zeroserve.common.outputs import EmbeddingOutput, RequestOutput
 from zeroserve.common.sampling_params import SamplingParams
 from zeroserve.common.tools import attach_calls, check_tools, constrained_params
+from zeroserve.common.failover import Fence, split_addresses
 from zeroserve.common.transport import make_socket, tcp_addr
 from zeroserve.common.prompts import split_prompt
 from zeroserve._request import (
@@ -116,9 +117,15 @@ class _Checked:
         self.split = split
 
 
-def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, linger: int = 0) -> None:
-    """Close the client's socket and end its context, never waiting on the event loop (it may be
-    closed already) nor on unsent messages beyond `linger` ms."""
+def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, linger: int = 0, mon=None) -> None:
+    """Close the client's socket (and its monitor) and end its context, never waiting on the event
+    loop (it may be closed already) nor on unsent messages beyond `linger` ms."""
+    if mon is not None:
+        try:
+            sock.disable_monitor()
+        except Exception:  # noqa: BLE001 - closed already
+            pass
+        zmq.Socket.close(mon, linger=0)
     try:
         sock.close(linger=linger)
     except Exception:  # noqa: BLE001 (its loop is gone: close the socket underneath it)
@@ -129,7 +136,8 @@ def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, linger: int = 0
 class AsyncClient(LivenessMixin):
     """asyncio client for a zeroserve cluster; see the module docstring.
 
-    ``address``: the scheduler's client port (``tcp://H:P`` or a port number).
+    ``address``: the scheduler's client port (``tcp://H:P`` or a port number); with a hot standby
+    both schedulers', comma-separated (``"tcp://a:7000,tcp://b:7004"``: zeroserve/liveness.py).
     ``timeout_s``: how long the scheduler may stay silent before calls fail with
     ``ClusterUnavailable``. ``request_timeout_s``: default limit on one request's total time
     (``RequestTimeout``); None = no limit. A client belongs to the event loop it is first used
@@ -159,10 +167,17 @@ class AsyncClient(LivenessMixin):
         self.retries = retries
         self.reattach = bool(reattach)
         self.reattach_max_tokens = reattach_max_tokens
-        try:
-            self.address = tcp_addr(address)
+        try:  # several: a hot standby's (common/failover.py, zeroserve/liveness.py)
+            self.addresses = [tcp_addr(a) for a in (split_addresses(address) if isinstance(address, str)
+                                                    else [address])]
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        self.address, self._addr_i, self._multi = self.addresses[0], 0, len(self.addresses) > 1
+        self._fence = Fence()
+        self._seek_since: float | None = None  # looking for the active scheduler since (several addresses)
+        self._standby_since: float | None = None
+        self._seeker: asyncio.Task | None = None
+        self._mon = None
         if curve_keys is None:
             curve_keys = os.environ.get(CURVE_KEYS_ENV) or None
         self.curve = curve_client_keys(curve_keys or None,
@@ -203,14 +218,18 @@ class AsyncClient(LivenessMixin):
                 raise InvalidRequest(f"cannot connect to {self.address}: {e}; give the scheduler's client address "
                                      "as tcp://HOST:PORT") from None
             self._loop, self._ctx, self._sock = loop, ctx, sock
+            # several schedulers: a dropped connection moves us to the next at once (_watch)
+            self._mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if self._multi else None
             # a client nobody closed must still release its socket when it is collected or the
             # interpreter exits: pyzmq's Context.__del__ would term() with the socket open and
             # block the process forever (a second asyncio.run in a script or notebook)
-            self._finalizer = weakref.finalize(self, _release, sock, ctx)
+            self._finalizer = weakref.finalize(self, _release, sock, ctx, 0, self._mon)
             self._last_rx = loop.time()
             self._live_evt = asyncio.Event()
             self._tasks = [loop.create_task(self._receiver(), name="zeroserve-client-recv"),
                            loop.create_task(self._ticker(), name="zeroserve-client-liveness")]
+            if self._multi:  # a dropped connection moves us to the next scheduler at once
+                self._tasks.append(loop.create_task(self._watch(), name="zeroserve-client-monitor"))
         elif loop is not self._loop:
             raise RuntimeError("this AsyncClient belongs to another event loop; create one client per event "
                                "loop (or use zeroserve.Client, which any thread may share)")
@@ -230,11 +249,13 @@ class AsyncClient(LivenessMixin):
         for fut in list(self._pongs.values()) + [f for q in self._replies.values() for f in q]:
             if not fut.done():
                 fut.set_exception(ZeroserveError(err))
-        for t in self._tasks:
+        self._seek_since = None
+        tasks = self._tasks + ([self._seeker] if self._seeker is not None else [])
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._finalizer.detach()
-        _release(self._sock, self._ctx, linger=200 if live else 0)  # give the Aborts a moment to leave
+        _release(self._sock, self._ctx, 200 if live else 0, self._mon)  # give the Aborts a moment to leave
 
     async def __aenter__(self) -> Self:
         return self
@@ -482,7 +503,7 @@ class AsyncClient(LivenessMixin):
                             f"{PROTOCOL_VERSION}; install the same zeroserve release on both sides")
         return out
 
-    async def _ask(self, msg: Any, reply_type: type) -> Any:
+    async def _ask_once(self, msg: Any, reply_type: type) -> Any:
         loop = self._ensure_started()
         fut = loop.create_future()
         q = self._replies[reply_type]
@@ -559,6 +580,8 @@ class AsyncClient(LivenessMixin):
             try:
                 t = type(msg)
                 if t is P.Outputs:
+                    if self._multi and not self._fence.admit(msg.term):  # a deposed scheduler's
+                        continue
                     # requests getting their first output go first: their consumers wake first,
                     # ahead of the other streams' deltas of this step (TTFT; a request's own
                     # items keep their order)

@@ -82,7 +82,11 @@ class DetokenizerService:
         """Answer the scheduler until told to stop, or until it no longer knows us (then start over)."""
         while not self.stop.is_set():
             wait = peer.maybe_heartbeat(lambda: {"live": len(self.state.states)})
-            if not peer.ch.poll(wait):
+            if peer.rejoin.is_set():  # we left a scheduler that dropped or went silent (several addresses)
+                peer.rejoin.clear()
+                self.state.clear()
+                return
+            if not peer.ch.poll(min(wait, 0.2)):
                 continue
             for _ in range(1000):
                 try:
@@ -96,6 +100,10 @@ class DetokenizerService:
                     peer.rejoin.clear()
                     self.state.clear()
                     return
+                if isinstance(got[1], P.Pong):  # a heartbeat's answer (noted above)
+                    continue
+                if not peer.fence.admit(getattr(got[1], "term", 0)):  # from a deposed scheduler
+                    continue
                 self._answer(peer, got[1])
 
     def _answer(self, peer: BackendPeer, msg) -> None:

@@ -65,6 +65,7 @@ class Cluster:
         self.id = scheduler_id
         self.addresses = addresses or {}
         self.started = now
+        self.term = 1  # the scheduler's term (common/failover.py): the service sets it when it becomes active
         self.groups = Groups(cfg, models, scheduler_id, step_addr)
         self.pool = Pool(cfg, catalog or {}, self.groups, scheduler_id)  # models loaded on demand
         self.loras = LoRAAdmin(cfg, models)  # LoRA adapters served, by name
@@ -392,6 +393,8 @@ class Cluster:
 
     def on_heartbeat(self, ident: bytes, m: P.Heartbeat, now: float) -> Outbox:
         ob = Outbox()
+        if m.term:  # a peer that knows several schedulers: the answer tells it this one is alive and active
+            ob.to_backend(ident, P.Pong(nonce=0, scheduler_id=self.id))
         if self.pool.on_heartbeat(ident, m, now):  # a pool member outside any group
             return ob
         src = self._from_worker(ident, m, now, ob)
@@ -517,7 +520,8 @@ class Cluster:
 
     def stats(self, now: float) -> dict:
         return {
-            "scheduler_id": self.id, "uptime_s": round(now - self.started, 3), "addresses": self.addresses,
+            "scheduler_id": self.id, "role": "active", "term": self.term, "uptime_s": round(now - self.started, 3),
+            "addresses": self.addresses,
             "models": list(self.models), "groups": self.groups.stats(now), "requests": len(self.live),
             "numeric_modes": dict(self.groups.model_modes), "refused": list(self.groups.refusals),
             "queue": len(self.pending), "tokens_total": self.tokens_total,

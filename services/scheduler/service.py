@@ -11,8 +11,10 @@ flow: docs/architecture.md.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -28,12 +30,14 @@ from zeroserve.common.codec import ProtocolError, group_topic, v1_refusal
 from zeroserve.common.config import SchedulerConfig, from_cli_args
 from zeroserve.common.curve import curve_server_keys, start_authenticator
 from zeroserve.common.errors import InvalidRequest, ZeroserveError
+from zeroserve.common.failover import EXIT_DEPOSED, FOLLOW_PING_S
 from zeroserve.common.log import LogBudget, get_logger
 from zeroserve.common.memory import Trimmer, freeze_startup_heap
 from zeroserve.common.transport import Channel, is_loopback, make_socket
 from zeroserve.services.scheduler.cluster import Cluster
 from zeroserve.services.scheduler.models import load_models
 from zeroserve.services.scheduler.outbox import BACKEND, CLIENT, STEPS, Outbox, TokenizeJob
+from zeroserve.services.scheduler.standby import Follower, standby_answer
 from zeroserve.services.scheduler.structured import GrammarCompiler
 
 log = get_logger("scheduler")
@@ -128,6 +132,17 @@ class SchedulerService:
         self.poller = zmq.Poller()
         for s in (self.client_sock, self.backend, self.wake_rx):
             self.poller.register(s, zmq.POLLIN)
+        # a hot standby (standby.py): it follows its peer and serves nothing until it takes over;
+        # every scheduler has a term (common/failover.py), 1 for one that starts active
+        self.term, self.active, self.deposed = (0, False, False) if cfg.standby_of else (1, True, False)
+        self.follower = None
+        if cfg.standby_of:
+            from zeroserve.common.curve import curve_client_keys
+
+            ck = curve_client_keys(cfg.curve_keys, role="client") if curve else None
+            self.follower = Follower(self.ctx, cfg.standby_of, self.id, cfg.standby_lease_s, time.monotonic(),
+                                     ck.socket_kwargs() if ck else None)
+            self.poller.register(self.follower.sock, zmq.POLLIN)
         self.client_table = self._table(self.cluster.client_handlers(), "client")
         self.backend_table = self._table(self.cluster.backend_handlers(), "worker")
         self._stop = False
@@ -145,34 +160,113 @@ class SchedulerService:
             log.info("metrics served", url=f"http://{cfg.host}:{cfg.metrics_port}/metrics")
 
     # ================================================================ loop
-    def run(self) -> None:
+    def run(self) -> int:
+        """Serve until stopped; the exit code (EXIT_DEPOSED: a higher term took over)."""
         freeze_startup_heap()
-        log.info("scheduler ready", **self.addrs, models=list(self.cluster.models), scheduler_id=self.id)
         try:
-            while not self._stop:
-                events = dict(self.poller.poll(50 if self.cluster.groups.probing() else 200))
-                # clients first, a bounded batch: a flood of client frames must not keep the
-                # workers' heartbeats unread until the tick below gives their group up
-                if self.client_sock in events:
-                    self._dispatch(self.client_ch, self.client_table, CLIENT_BATCH)
-                self._dispatch(self.backend_ch, self.backend_table, BACKEND_BATCH)
-                if self.wake_rx in events:
-                    while self.wake_rx.poll(0):
-                        self.wake_rx.recv()
-                    self._run_posted()
-                now = time.monotonic()
-                self._send(self.cluster.tick(now))
-                self._send(self.cluster.dispatch(now))
-                self._send(self.cluster.flush())
-                self.trimmer.maybe(now)
+            if not self.active:
+                log.info("standby: following the active scheduler", **self.addrs, standby_of=self.cfg.standby_of,
+                         lease_s=self.cfg.standby_lease_s, scheduler_id=self.id)
+                self._follow()
+                if self._stop:
+                    return EXIT_DEPOSED if self.deposed else 0
+            log.info("scheduler ready", **self.addrs, models=list(self.cluster.models), scheduler_id=self.id,
+                     term=self.term)
+            self._serve()
+            return EXIT_DEPOSED if self.deposed else 0
         finally:
             self.close()
+
+    def _follow(self) -> None:
+        """The standby's loop: answer "standby", follow the peer, take over when its lease lapses."""
+        f = self.follower
+        f.start(time.monotonic())  # the lease runs from the first ping, not from a slow start-up
+        while not self._stop:
+            events = dict(self.poller.poll(int(FOLLOW_PING_S * 500)))
+            now = time.monotonic()
+            f.read(now)
+            self.term = max(self.term, f.peer_term)
+            for sock, ch in ((self.client_sock, self.client_ch), (self.backend, self.backend_ch)):
+                if sock in events:
+                    self._answer_standby(ch)
+            if self.wake_rx in events:
+                while self.wake_rx.poll(0):
+                    self.wake_rx.recv()
+                self._run_posted()
+            if f.lapsed(now, self.id):
+                self.term += 1
+                self.active = True
+                self.cluster.started = now
+                log.warning("taking over: the active scheduler's lease lapsed", term=self.term,
+                            was=f.peer_id or None, silent_s=round(now - f.active_at, 3))
+                return
+            f.ping(now, self.term)
+
+    def _answer_standby(self, ch: Channel) -> None:
+        for _ in range(CLIENT_BATCH):
+            try:
+                got = ch.recv_nowait()
+            except ProtocolError:
+                continue
+            if got is None:
+                return
+            ident, msg = got
+            self.term = max(self.term, getattr(msg, "term", 0))  # takes over above every term seen
+            reply = standby_answer(msg, self.id, self.term, self.cfg.standby_of)
+            if reply is not None:
+                ch.try_send(reply, ident)
+
+    def _outranked(self, msg) -> bool:
+        """A message naming a higher term than ours: another scheduler took over; step down."""
+        term = getattr(msg, "term", 0)
+        if term <= self.term:
+            return False
+        self._step_down(f"a peer knows term {term}")
+        return True
+
+    def _step_down(self, why: str) -> None:
+        if not self.deposed:
+            log.warning("deposed: another scheduler is active with a higher term; stepping down", why=why,
+                        term=self.term, exit_code=EXIT_DEPOSED)
+        self.deposed = True
+        self._stop = True
+
+    def _serve(self) -> None:
+        f = self.follower
+        self.cluster.term = self.term
+        while not self._stop:
+            events = dict(self.poller.poll(50 if self.cluster.groups.probing() else 200))
+            if f is not None:  # the peer, if it comes back active with a higher term, deposes us
+                now = time.monotonic()
+                f.read(now)
+                if f.deposes(now, self.term, self.id):
+                    self._step_down(f"the peer scheduler {f.peer_id} is active at term {f.peer_term}")
+                    break
+                f.ping(now, self.term)
+            # clients first, a bounded batch: a flood of client frames must not keep the
+            # workers' heartbeats unread until the tick below gives their group up
+            if self.client_sock in events:
+                self._dispatch(self.client_ch, self.client_table, CLIENT_BATCH)
+            self._dispatch(self.backend_ch, self.backend_table, BACKEND_BATCH)
+            if self.wake_rx in events:
+                while self.wake_rx.poll(0):
+                    self.wake_rx.recv()
+                self._run_posted()
+            now = time.monotonic()
+            self._send(self.cluster.tick(now))
+            self._send(self.cluster.dispatch(now))
+            self._send(self.cluster.flush())
+            self.trimmer.maybe(now)
 
     def stop(self) -> None:
         self._stop = True
 
     def close(self) -> None:
-        self._send(self.cluster.close())
+        if self.active and not self.deposed:  # a deposed one says nothing more: its peers follow another
+            self._send(self.cluster.close())
+        if self.follower is not None:
+            self.follower.close()
+            self.follower = None
         self.pool.shutdown(wait=False, cancel_futures=True)
         for s in (self.client_sock, self.backend, self.steps_pub, self.events_pub, self.wake_rx, self.wake_tx):
             s.close(linger=0)
@@ -194,7 +288,10 @@ class SchedulerService:
             raise InvalidRequest(f"{type(msg).__name__} is not a {side} message")
 
         def run(fn):
-            return lambda peer, msg: self._send(fn(peer, msg, time.monotonic()))
+            def handle(peer, msg):
+                if not self._outranked(msg):
+                    self._send(fn(peer, msg, time.monotonic()))
+            return handle
 
         table = {cls: refuse for cls in P.MESSAGE_TYPES.values()}
         table.update((cls, run(fn)) for cls, fn in handlers.items())
@@ -294,7 +391,10 @@ class SchedulerService:
         full) gets none of the rest, so what it does get keeps its order (the state's on_fail
         callbacks take the unsent ones back)."""
         failed: set[tuple[str, bytes]] = set()
+        term = self.term
         for it in ob:
+            if hasattr(it.msg, "term"):  # every message a scheduler sends carries its term (failover.py)
+                it.msg.term = term
             if it.role == STEPS:  # a PUB drops rather than blocks
                 self.steps_ch.send(it.msg, group_topic(it.to))
                 continue
@@ -318,5 +418,9 @@ def main(args) -> int:
     svc = SchedulerService(cfg)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     signal.signal(signal.SIGINT, lambda *_: svc.stop())
-    svc.run()
-    return 0
+    code = svc.run()
+    if code == EXIT_DEPOSED:  # at once: a pool thread still tokenizing or compiling a grammar must not
+        sys.stdout.flush()  # hold a deposed scheduler's exit (its supervisor restarts it as the standby)
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -172,7 +172,7 @@ class WorkerService:
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         """After WELCOME: the tensor-parallel group, then the step socket subscribed to our topic."""
         self._init_distributed(welcome.dist_init_addr or self.dist_init_addr)
-        step_addr = reachable(welcome.step_addr, self.scheduler_addr)
+        step_addr = reachable(welcome.step_addr, self.peer.scheduler_addr)  # the one that welcomed us
         sub = make_socket(self.ctx, zmq.SUB, connect=step_addr, subscribe=group_topic(self.group), **self.curve_kw)
         log.info("welcomed", group=self.group, step_addr=step_addr, scheduler=welcome.scheduler_id)
         return sub
@@ -250,6 +250,9 @@ class WorkerService:
         restarted, detail = self.peer.rejoin_reason()
         if ended:
             log.warning(f"{ended}; joining again")
+        elif restarted and self.peer.gone:  # several addresses: we left it (failover.py)
+            log.warning("the scheduler is gone; joining the next", why=detail, was=self.peer.scheduler_id,
+                        next=self.peer.scheduler_addr)
         elif restarted:
             log.warning("the scheduler restarted; joining again", was=self.peer.scheduler_id,
                         now=self.peer.rejoin_welcome.scheduler_id)
@@ -299,6 +302,10 @@ class WorkerService:
                         return EXIT_OK
                     raise Rejoin(f"the scheduler ended our group: {msg.reason}")
                 elif isinstance(msg, P.Step):
+                    if not self.peer.fence.admit(msg.term):  # a deposed scheduler's step: never run it
+                        log.warning("dropped a step of a deposed scheduler", seq=msg.seq, term=msg.term,
+                                    known=self.peer.fence.term)
+                        continue
                     if expected_seq is not None and msg.seq != expected_seq:
                         reason = f"missed step {expected_seq} (got {msg.seq})"
                         log.error("step sequence gap; leaving to resynchronize", reason=reason)
