@@ -213,3 +213,28 @@ def test_a_client_drops_outputs_of_a_lower_term():
     finally:
         a.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("standby_of", [None, "tcp://127.0.0.1:1"])
+def test_who_may_depose_an_active_scheduler(standby_of):
+    """A client's Ping never deposes (any process on the client port could send one: a fuzzed
+    Ping of term 12 once stopped a lone scheduler); a backend peer's higher term deposes a
+    scheduler that has a standby peer, and a lone scheduler takes that term and serves on."""
+    import types
+
+    from zeroserve.services.scheduler.service import SchedulerService
+
+    s = SchedulerService.__new__(SchedulerService)
+    s.cfg = types.SimpleNamespace(standby_of=standby_of)
+    s.cluster = types.SimpleNamespace(term=2)
+    s.term, s.deposed, s._stop = 2, False, False
+    assert not s._outranked(P.Ping(nonce=1, term=12), from_backend=False)
+    assert (s.term, s.deposed, s._stop) == (2, False, False)
+    assert not s._outranked(P.Heartbeat(worker_id="w", term=2), from_backend=True)  # the same term: ours
+    hb = P.Heartbeat(worker_id="w", term=7)
+    if standby_of is None:
+        assert not s._outranked(hb, from_backend=True)
+        assert (s.term, s.cluster.term, s.deposed) == (7, 7, False)
+    else:
+        assert s._outranked(hb, from_backend=True)
+        assert s.deposed and s._stop and s.term == 2

@@ -216,10 +216,22 @@ class SchedulerService:
             if reply is not None:
                 ch.try_send(reply, ident)
 
-    def _outranked(self, msg) -> bool:
-        """A message naming a higher term than ours: another scheduler took over; step down."""
+    def _outranked(self, msg, from_backend: bool) -> bool:
+        """A message naming a higher term than ours. From a backend peer (a worker or the
+        detokenizer, the peers CURVE admits to that port) of a scheduler that has a standby peer:
+        the other scheduler took over, step down. A client's Ping never deposes: any process that
+        reaches the client port could send one (a fuzzed Ping of term 12 once stopped a lone
+        scheduler); a client that met the successor drops our lower-term replies and moves on
+        by itself. A lone scheduler (no --standby-of) has no successor to yield to: a peer that
+        remembers a higher term met an earlier cluster's scheduler, so it takes that term (the
+        peer then admits what it sends) and serves on."""
         term = getattr(msg, "term", 0)
-        if term <= self.term:
+        if term <= self.term or not from_backend:
+            return False
+        if not self.cfg.standby_of:
+            log.info("a peer knows a higher term and there is no other scheduler: taking it", old=self.term,
+                     term=term)
+            self.term = self.cluster.term = term
             return False
         self._step_down(f"a peer knows term {term}")
         return True
@@ -287,9 +299,11 @@ class SchedulerService:
         def refuse(_peer, msg) -> None:
             raise InvalidRequest(f"{type(msg).__name__} is not a {side} message")
 
+        from_backend = side != "client"
+
         def run(fn):
             def handle(peer, msg):
-                if not self._outranked(msg):
+                if not self._outranked(msg, from_backend):
                     self._send(fn(peer, msg, time.monotonic()))
             return handle
 

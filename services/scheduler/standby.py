@@ -7,7 +7,7 @@ active. Why this shape:
 * **Follow over the client port, with Ping/Pong.** The follower is a DEALER on the peer's client
   ROUTER that sends a `Ping` every FOLLOW_PING_S (0.1 s); each `Pong` says the peer's term and
   whether it is active (`Pong.standby`). An active peer's Pong renews the lease; none for
-  `--standby-lease` (0.5 s) and the standby takes over. No extra infrastructure, no new socket on
+  `--standby-lease` (1 s by default) and the standby takes over. No extra infrastructure, no new socket on
   the active side, and a Pong comes from the active's loop: a loop that stopped turning (a
   SIGSTOP, a hang) lets the lease lapse like a dead process does. A process that died says so
   sooner: its kernel closes the connection, and once the follower's connection has dropped and

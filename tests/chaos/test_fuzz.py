@@ -132,6 +132,7 @@ def _fuzz_router(ctx: zmq.Context, address: str, corpus, rng: random.Random) -> 
     def fresh() -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDTIMEO, 10_000)  # a dead scheduler fails the test in 10 s (zmq.Again), no hang
         s.setsockopt(zmq.IDENTITY, b"fuzz-" + rng.randbytes(6).hex().encode())
         s.connect(address)
         return s
