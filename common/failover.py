@@ -11,8 +11,8 @@ term in what it sends (Welcome, Step, Pong, Outputs, DetokNew, DetokTokens) and 
 the highest term it has seen (`Fence`): a message of a lower term is dropped, so a deposed
 scheduler (one that was paused or cut off, not dead) can neither drive a worker nor deliver a
 token once a peer has met its successor. Peers say their term in Hello, Heartbeat and Ping; a
-scheduler with a standby peer that hears of a higher term from a backend peer or from its peer
-scheduler steps down (services/scheduler/standby.py; a client's Ping never deposes). Term 0 in a
+scheduler with a standby peer that hears of a higher term steps down (services/scheduler/standby.py);
+a lone scheduler never does (it takes a backend peer's higher term). Term 0 in a
 message means "no term" (an older peer, or the in-process engine): it is never fenced.
 """
 

@@ -540,6 +540,7 @@ def test_a_peer_that_refuses_one_message_gets_none_of_the_rest():
         send = try_send
 
     svc = SchedulerService.__new__(SchedulerService)
+    svc.term = 1  # stamped into what it sends (common/failover.py)
     svc.client_ch, svc.backend_ch = FakeChannel(set()), FakeChannel({b"full"})
     svc.steps_ch, svc.events_ch = FakeChannel(set()), FakeChannel(set())
     failed = []

@@ -217,9 +217,9 @@ def test_a_client_drops_outputs_of_a_lower_term():
 
 @pytest.mark.parametrize("standby_of", [None, "tcp://127.0.0.1:1"])
 def test_who_may_depose_an_active_scheduler(standby_of):
-    """A client's Ping never deposes (any process on the client port could send one: a fuzzed
-    Ping of term 12 once stopped a lone scheduler); a backend peer's higher term deposes a
-    scheduler that has a standby peer, and a lone scheduler takes that term and serves on."""
+    """A lone scheduler never steps down (a fuzzed client Ping of term 12 once stopped one): a
+    backend peer's higher term becomes its own, a client's changes nothing. A scheduler with a
+    standby peer steps down for any peer's higher term (the peers come back from its successor)."""
     import types
 
     from zeroserve.services.scheduler.service import SchedulerService
@@ -228,9 +228,12 @@ def test_who_may_depose_an_active_scheduler(standby_of):
     s.cfg = types.SimpleNamespace(standby_of=standby_of)
     s.cluster = types.SimpleNamespace(term=2)
     s.term, s.deposed, s._stop = 2, False, False
+    assert not s._outranked(P.Heartbeat(worker_id="w", term=2), from_backend=True)  # the same term: ours
+    if standby_of is not None:
+        assert s._outranked(P.Ping(nonce=1, term=12), from_backend=False) and s.deposed
+        return
     assert not s._outranked(P.Ping(nonce=1, term=12), from_backend=False)
     assert (s.term, s.deposed, s._stop) == (2, False, False)
-    assert not s._outranked(P.Heartbeat(worker_id="w", term=2), from_backend=True)  # the same term: ours
     hb = P.Heartbeat(worker_id="w", term=7)
     if standby_of is None:
         assert not s._outranked(hb, from_backend=True)

@@ -217,18 +217,20 @@ class SchedulerService:
                 ch.try_send(reply, ident)
 
     def _outranked(self, msg, from_backend: bool) -> bool:
-        """A message naming a higher term than ours. From a backend peer (a worker or the
-        detokenizer, the peers CURVE admits to that port) of a scheduler that has a standby peer:
-        the other scheduler took over, step down. A client's Ping never deposes: any process that
-        reaches the client port could send one (a fuzzed Ping of term 12 once stopped a lone
-        scheduler); a client that met the successor drops our lower-term replies and moves on
-        by itself. A lone scheduler (no --standby-of) has no successor to yield to: a peer that
-        remembers a higher term met an earlier cluster's scheduler, so it takes that term (the
-        peer then admits what it sends) and serves on."""
+        """A message naming a higher term than ours. At a scheduler that has a standby peer: the
+        other scheduler took over, step down (whichever peer says so first: the clients and
+        workers that come back from the successor). A lone scheduler (no --standby-of) has no
+        successor to yield to and never steps down (a fuzzed client Ping of term 12 once stopped
+        one): a backend peer (a worker or the detokenizer, the peers CURVE admits to that port)
+        that remembers a higher term met an earlier cluster's scheduler, so it takes that term
+        (the peer then admits what it sends) and serves on; a client's claim changes nothing
+        (a client that met another scheduler drops our lower-term replies by itself)."""
         term = getattr(msg, "term", 0)
-        if term <= self.term or not from_backend:
+        if term <= self.term:
             return False
         if not self.cfg.standby_of:
+            if not from_backend:
+                return False
             log.info("a peer knows a higher term and there is no other scheduler: taking it", old=self.term,
                      term=term)
             self.term = self.cluster.term = term

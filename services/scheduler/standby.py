@@ -24,8 +24,8 @@ active. Why this shape:
   from the active, re-attaches them). So peers move on to the active within a few round trips.
 * **Terms** (common/failover.py). The standby takes over with term = the highest it has seen
   (from its peer's Pongs and from every Hello, Heartbeat and Ping it answered) + 1. An active
-  scheduler that hears of a higher term (a backend peer's Hello or Heartbeat, or its own
-  peer's Pong; never a client's Ping, which anyone on the client port could forge) steps down:
+  scheduler that hears of a higher term (a peer's Hello, Heartbeat or Ping, or its own peer's
+  Pong) steps down (a lone scheduler, without --standby-of, never does: service.py):
   it exits with EXIT_DEPOSED and its supervisor starts it again, as a standby.
   Two standbys that see each other: the one with the larger instance id takes over, the other
   waits. Two actives that see each other (each took over while unable to see the other): the
