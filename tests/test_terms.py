@@ -60,14 +60,8 @@ def _follower(lease_s: float = 0.5) -> tuple[Follower, zmq.Context]:
 
 
 def _pong(f: Follower, now: float, **kw) -> None:
-    """What Follower.read records for a Pong (its socket is not used here)."""
-    m = P.Pong(nonce=1, **kw)
-    f.peer_id, f.peer_active = m.scheduler_id, not m.standby
-    f.peer_term = max(f.peer_term, m.term)
-    if m.standby:
-        f.standby_at = now
-    else:
-        f.active_at = now
+    """A Pong as Follower.read hands it on (its socket is not used here)."""
+    f.note_pong(P.Pong(nonce=1, **kw), now)
 
 
 def test_the_lease_lapses_without_an_active_peer_and_the_larger_id_of_two_standbys_takes_over():

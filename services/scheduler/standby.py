@@ -99,14 +99,17 @@ class Follower:
             if got is None:
                 return
             m = got[1]
-            if not isinstance(m, P.Pong) or not m.scheduler_id:
-                continue
-            self.peer_id, self.peer_active = m.scheduler_id, not m.standby
-            self.peer_term = max(self.peer_term, m.term)
-            if m.standby:
-                self.standby_at = now
-            else:
-                self.active_at = now
+            if isinstance(m, P.Pong) and m.scheduler_id:
+                self.note_pong(m, now)
+
+    def note_pong(self, m: P.Pong, now: float) -> None:
+        """What a peer's Pong says: who it is, whether it is active (renewing the lease), its term."""
+        self.peer_id, self.peer_active = m.scheduler_id, not m.standby
+        self.peer_term = max(self.peer_term, m.term)
+        if m.standby:
+            self.standby_at = now
+        else:
+            self.active_at = now
 
     def lapsed(self, now: float, my_id: str) -> bool:
         """A standby's question: take over now? Yes once no active peer answered for the lease,

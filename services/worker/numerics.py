@@ -54,11 +54,16 @@ log = get_logger("worker.numerics")
 MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 
 
+def matmul_name(matmul_dtype: str | None) -> str:
+    """A user's --matmul-dtype, normalized (None = "auto")."""
+    return str(matmul_dtype or "auto").strip().lower()
+
+
 def matmul_choice(matmul_dtype: str | None, dtype: str | torch.dtype, native_bf16: bool = False,
                   checkpoint_dtype: str = "float32") -> tuple[str, str]:
     """("float32" | "bfloat16", why) for a CPU fp32 model: a rule on the arguments, whether the
     kernel build multiplies bf16 natively and the checkpoint's dtype (module docstring)."""
-    name = str(matmul_dtype or "auto").strip().lower()
+    name = matmul_name(matmul_dtype)
     if name not in MATMUL_DTYPES:
         raise ModelLoadError(f"unsupported matmul_dtype {name!r}; use one of {MATMUL_DTYPES}")
     asked = requested(dtype)
@@ -88,7 +93,7 @@ def configure(runner) -> str:
     args, model = runner.args, runner.model
     if runner.device.type != "cpu" or runner.dtype != torch.float32:
         name = str(runner.dtype).removeprefix("torch.")
-        if str(getattr(args, "matmul_dtype", "auto") or "auto").lower() == "bfloat16":
+        if matmul_name(getattr(args, "matmul_dtype", None)) == "bfloat16":
             log.warning("matmul_dtype bfloat16 applies to float32 models on a CPU only; ignored",
                         device=str(runner.device), dtype=name)
         if runner.device.type == "cpu":
@@ -102,7 +107,7 @@ def configure(runner) -> str:
                                 native_bf16=lib is not None and lib.bf16_native,
                                 checkpoint_dtype=str(runner.cfg.torch_dtype).removeprefix("torch."))
     # bf16 weights where the mode came from the dtype (asked or auto), not from --matmul-dtype alone
-    chosen_by_auto = str(getattr(args, "matmul_dtype", "auto") or "auto").lower() == "auto"
+    chosen_by_auto = matmul_name(getattr(args, "matmul_dtype", None)) == "auto"
     hold_bf16 = matmul == "bfloat16" and (wants_bf16(args.dtype) or chosen_by_auto)
     on_torch = apply(model, matmul == "bfloat16", hold_bf16=hold_bf16, kernels=lib is not None)
     runner.numeric_mode = mode_name(matmul, lib, runner.kv_dtype, getattr(args, "quantization", None), on_torch,
